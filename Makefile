@@ -1,0 +1,30 @@
+# One-command set-up: `make test` and `make demo` create .venv and install everything on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+EXTRAS := torch,fast,sklearn,io,dask,study,gpu,dev
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# the CPU build of torch; any other spec would pull a multi-GB CUDA build
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 tests
+
+demo: $(STAMP)
+	$(BIN)/normkit demo
+
+bench: $(STAMP)
+	$(BIN)/normkit bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

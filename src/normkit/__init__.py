@@ -1,0 +1,30 @@
+"""normkit: normalization for deep learning and data preprocessing.
+
+Every normalization is one recipe -- choose the group of numbers that share statistics,
+compute their mean and biased variance, standardize, then scale and shift::
+
+    y = weight * (x - mean) / sqrt(var + eps) + bias
+
+The methods differ only in the group (see ``normkit.grouping``). ``import normkit`` needs
+only NumPy; the torch-facing parts (``normkit.functional``, ``normkit.nn``,
+``normkit.convert``) import torch when first used.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "convert", "revert", "stats"]
+
+
+def __getattr__(name):
+    # torch is an optional dependency: load the torch-facing parts on first use
+    if name in ("convert", "revert", "ConversionReport"):
+        from normkit import conversion as _convert_module
+
+        return getattr(_convert_module, name)
+    if name in ("functional", "nn", "reference", "stats", "grouping", "preprocessing", "backends", "conversion"):
+        import importlib
+
+        return importlib.import_module(f"normkit.{name}")
+    raise AttributeError(f"module 'normkit' has no attribute {name!r}")

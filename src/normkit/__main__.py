@@ -1,0 +1,5 @@
+import sys
+
+from normkit.cli import main
+
+sys.exit(main())

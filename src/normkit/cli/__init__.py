@@ -1,0 +1,45 @@
+"""The ``normkit`` command.
+
+Each subcommand lives in its own module of this package and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` (called with the parsed
+arguments, returning an exit code). Heavy imports happen inside ``func``, so
+``normkit --help`` stays fast and works without the optional extras.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# one line per subcommand module, in the order shown by --help
+SUBCOMMANDS = (
+    "demo",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from normkit import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="normkit",
+        description="Normalization layers, scalers and the study behind them.",
+    )
+    parser.add_argument("--version", action="version", version=f"normkit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"normkit.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 0
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
