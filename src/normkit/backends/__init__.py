@@ -1,0 +1,53 @@
+"""The one dispatch point: which implementation runs a normalization.
+
+Every backend is a module with the same three functions, over a *view* of the input
+described by a ``normkit.grouping.Grouping``:
+
+``supports(x, grouping, center, fixed) -> bool``
+    Whether this backend handles the input (device, dtype, layout, grouping kind).
+``forward(x, grouping, weight, bias, eps, center, mean=None, rstd=None)``
+    ``-> (y, mean, rstd, var)``. ``mean``/``rstd`` given means *fixed* statistics (eval);
+    ``var`` is the biased variance (``None`` when fixed), used for running statistics.
+    Statistics are fp32 (fp64 for fp64 inputs) shaped ``grouping.stat_shape``; ``y`` has
+    the input's dtype and memory layout.
+``backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs)``
+    ``-> (dx, dweight, dbias)``, each ``None`` unless asked for in ``needs``
+    (three booleans). Implements the hand-derived gradient of ``normkit.reference``.
+    ``dweight``/``dbias`` are in the statistics dtype, summed over
+    ``grouping.param_reduce`` with those dims kept (for the ``dims`` grouping: not summed;
+    the caller sums to the parameter's size).
+
+Backends are tried in order; ``torch_ops`` (a composite of torch ops, any device) always
+supports everything and is the fallback.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from normkit.backends import torch_ops
+
+# optional fast paths, tried first; each module imports its own JIT lazily
+_OPTIONAL = ()
+_loaded = None
+
+
+def _candidates():
+    global _loaded
+    if _loaded is None:
+        found = []
+        for name in _OPTIONAL:
+            try:
+                found.append(importlib.import_module(f"normkit.backends.{name}"))
+            except ImportError:  # the extra that provides it is not installed
+                continue
+        _loaded = tuple(found)
+    return _loaded
+
+
+def select(x, grouping, center=True, fixed=False):
+    """Return the backend module that runs this normalization."""
+    for backend in _candidates():
+        if backend.supports(x, grouping, center, fixed):
+            return backend
+    return torch_ops

@@ -1,0 +1,91 @@
+"""Composite backend: the normalization written with plain torch ops.
+
+Runs on any device and dtype; it is the fallback of the dispatch and the path taken by
+double backward (every op here is differentiable, so autograd can differentiate the
+hand-derived backward itself). See ``normkit.reference`` for the derivation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics are fp64 for fp64 inputs and fp32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def supports(x, grouping, center=True, fixed=False) -> bool:
+    return True
+
+
+def _param(p, grouping, dtype):
+    if p is None:
+        return None
+    p = p.to(dtype)
+    return p if grouping.param_view is None else p.view(grouping.param_view)
+
+
+def compute_stats(xs, grouping, eps, center):
+    """``(mean, var, rstd)`` of each group of the view ``xs`` (already in stat dtype).
+
+    Biased variance by torch's Welford/two-pass reduction, never E[x^2] - E[x]^2;
+    ``rstd = rsqrt(var + eps)``. Without centering, mean is 0 and var is mean(x^2).
+    """
+    red = grouping.reduce
+    if center:
+        var, mean = torch.var_mean(xs, dim=red, correction=0, keepdim=True)
+    else:
+        var = xs.square().mean(dim=red, keepdim=True)
+        mean = torch.zeros_like(var)
+    return mean, var, torch.rsqrt(var + eps)
+
+
+def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
+    sdtype = stat_dtype(x.dtype)
+    xs = x.to(sdtype)                                             # view shape
+    var = None
+    if mean is None:
+        mean, var, rstd = compute_stats(xs, grouping, eps, center)
+    y = (xs - mean) * rstd                                        # xhat
+    w, b = _param(weight, grouping, sdtype), _param(bias, grouping, sdtype)
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y.to(x.dtype), mean, rstd, var
+
+
+def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
+    """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)); dw = sum(g * xhat);
+    db = sum(g). With fixed statistics, dx = rstd * dxhat."""
+    sdtype = mean.dtype
+    g = grad.to(sdtype)                                           # view shape
+    xhat = (x.to(sdtype) - mean) * rstd                           # recomputed
+    dx = dw = db = None
+    if needs[0]:
+        w = _param(weight, grouping, sdtype)
+        dxhat = g if w is None else g * w
+        if fixed:
+            dx = dxhat * rstd
+        else:
+            red = grouping.reduce
+            c1 = (dxhat * xhat).mean(dim=red, keepdim=True)       # variance path
+            dx = dxhat - xhat * c1
+            if center:
+                dx = dx - dxhat.mean(dim=red, keepdim=True)       # mean path
+            dx = dx * rstd
+        dx = dx.to(x.dtype)
+    if needs[1]:
+        dw = _param_sum(g * xhat, grouping)
+    if needs[2]:
+        db = _param_sum(g, grouping)
+    return dx, dw, db
+
+
+def _param_sum(t, grouping):
+    """Sum over the dims a parameter is broadcast along (kept as size 1); for the
+    ``dims`` grouping, whose parameters broadcast as given, the caller sums to size."""
+    if grouping.param_view is None:
+        return t
+    return t.sum(dim=grouping.param_reduce, keepdim=True)

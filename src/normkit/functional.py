@@ -1,0 +1,238 @@
+r"""Functional normalizations with the signatures of ``torch.nn.functional``.
+
+Each op validates its arguments (raising the same exception types as torch, with the
+values and the fix in the message), describes its groups with ``normkit.grouping``, and
+runs ``normkit.autograd.NormFunction``: one dispatch to a backend, a hand-derived backward.
+
+All of them compute
+
+.. math::
+    y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta
+
+with the biased variance over the group, statistics in fp32 (fp64 for fp64 inputs) and
+the output in the input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from normkit import grouping as G
+from normkit.autograd import normalize as _normalize
+from normkit.backends.torch_ops import stat_dtype
+
+__all__ = ["batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm", "normalize"]
+
+
+def _size(shape) -> list:
+    return [int(s) for s in shape]
+
+
+def _check_param(name, p, numel, what):
+    if p is not None and p.numel() != numel:
+        raise RuntimeError(
+            f"{name} should contain {numel} elements not {p.numel()} ({what}); "
+            f"pass a {name} with {numel} elements or fix the input's channel count")
+
+
+def _update_running(running, value, momentum):
+    """``running = (1 - momentum) * running + momentum * value`` in place, in the buffer's
+    dtype (no autograd)."""
+    with torch.no_grad():
+        running.mul_(1.0 - momentum).add_(value.to(running.dtype), alpha=momentum)
+
+
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
+               momentum=0.1, eps=1e-5):
+    r"""Batch normalization over ``(N, C, *S)``: one mean and variance per channel.
+
+    .. math:: y = \gamma \cdot \frac{x - \mu_c}{\sqrt{\sigma_c^2 + \epsilon}} + \beta
+
+    In training (or without running statistics) :math:`\mu_c, \sigma^2_c` are the batch's
+    mean and *biased* variance over N and all spatial positions, and the running
+    statistics, if given, are updated in place with
+    ``running = (1 - momentum) * running + momentum * batch_stat``, the variance stored
+    *unbiased* (``var * n / (n - 1)``). In eval the running statistics normalize.
+
+    Example::
+
+        >>> x = torch.randn(8, 3, 4, 4)
+        >>> rm, rv = torch.zeros(3), torch.ones(3)
+        >>> y = batch_norm(x, rm, rv, training=True)
+    """
+    if input.dim() < 2:
+        raise ValueError(f"batch_norm expects an input of shape (N, C, *), got {input.dim()}D "
+                         f"input of size {_size(input.shape)}; add a batch dim with unsqueeze(0)")
+    c = input.shape[1]
+    for name, p in (("running_mean", running_mean), ("running_var", running_var),
+                    ("weight", weight), ("bias", bias)):
+        _check_param(name, p, c, f"input has {c} channels at dim 1")
+    grouping = G.batch(input.shape)
+    n = grouping.group_size
+    if training and n == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size "
+            f"{input.size()}: a batch of one sample with no spatial positions cannot be "
+            f"normalized; use a larger batch, eval mode, or a batch-independent norm "
+            f"(GroupNorm, LayerNorm)")
+    if not training and running_mean is None:
+        training = True  # no running statistics to use: normalize with the batch's, as torch
+    if not training:
+        sdtype = stat_dtype(input.dtype)
+        mean = running_mean.to(sdtype).view(grouping.stat_shape)
+        rstd = torch.rsqrt(running_var.to(sdtype).view(grouping.stat_shape) + eps)
+        return _normalize(input, grouping, weight, bias, eps, True, mean, rstd)[0]
+    y, mean, var = _normalize(input, grouping, weight, bias, eps)
+    if running_mean is not None and n > 0:
+        _update_running(running_mean, mean.view(c), momentum)
+        _update_running(running_var, var.view(c) * (n / (n - 1)), momentum)
+    return y
+
+
+def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None,
+                  use_input_stats=True, momentum=0.1, eps=1e-5):
+    r"""Instance normalization over ``(N, C, *S)``: one mean and variance per (sample,
+    channel), over the spatial positions.
+
+    .. math:: y_{n,c} = \gamma_c \cdot \frac{x_{n,c} - \mu_{n,c}}{\sqrt{\sigma_{n,c}^2
+              + \epsilon}} + \beta_c
+
+    With ``use_input_stats`` the running statistics, if given, are updated with the mean
+    over the batch of the per-instance mean and unbiased variance; without it they
+    normalize every instance.
+    """
+    if input.dim() < 3:
+        raise ValueError(f"instance_norm expects an input of shape (N, C, *S) with at least "
+                         f"one spatial dim, got {input.dim()}D input of size "
+                         f"{_size(input.shape)}")
+    c = input.shape[1]
+    for name, p in (("running_mean", running_mean), ("running_var", running_var),
+                    ("weight", weight), ("bias", bias)):
+        _check_param(name, p, c, f"input has {c} channels at dim 1")
+    grouping = G.instance(input.shape)
+    s = grouping.group_size
+    if not use_input_stats:
+        if running_mean is None or running_var is None:
+            raise RuntimeError("instance_norm with use_input_stats=False needs running_mean "
+                               "and running_var; pass them or set use_input_stats=True")
+        sdtype = stat_dtype(input.dtype)
+        shape = grouping.stat_shape
+        mean = running_mean.to(sdtype).view(1, c, 1).expand(shape)
+        rstd = torch.rsqrt(running_var.to(sdtype).view(1, c, 1) + eps).expand(shape)
+        return _normalize(input, grouping, weight, bias, eps, True, mean, rstd)[0]
+    if s == 1:
+        raise ValueError(f"Expected more than 1 spatial element when training, got input size "
+                         f"{input.size()}: one value per instance cannot be normalized")
+    y, mean, var = _normalize(input, grouping, weight, bias, eps)
+    if running_mean is not None and input.numel() > 0:
+        _update_running(running_mean, mean.view(-1, c).mean(0), momentum)
+        _update_running(running_var, (var.view(-1, c) * (s / (s - 1))).mean(0), momentum)
+    return y
+
+
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    r"""Group normalization over ``(N, C, *S)``: one mean and variance per (sample, group
+    of ``C / num_groups`` channels), over those channels and all spatial positions; the
+    affine parameters are per channel.
+
+    .. math:: y = \gamma_c \cdot \frac{x - \mu_{n,g}}{\sqrt{\sigma_{n,g}^2 + \epsilon}}
+              + \beta_c
+    """
+    if input.dim() < 2:
+        raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received "
+                           f"{input.dim()} (size {_size(input.shape)}); group_norm expects "
+                           f"(N, C, *)")
+    c = input.shape[1]
+    if num_groups <= 0 or c % num_groups != 0:
+        raise RuntimeError(
+            f"Expected number of channels in input to be divisible by num_groups, but got "
+            f"input of shape {_size(input.shape)} and num_groups={num_groups}; choose "
+            f"num_groups among the divisors of {c}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        _check_param(name, p, c, f"input has {c} channels at dim 1")
+    return _normalize(input, G.group(input.shape, num_groups), weight, bias, eps)[0]
+
+
+def _check_normalized_shape(input, normalized_shape, weight, bias, op):
+    shape = tuple(_size(normalized_shape))
+    k = len(shape)
+    if k == 0 or tuple(input.shape[input.dim() - k:]) != shape or input.dim() < k:
+        raise RuntimeError(
+            f"Given normalized_shape={list(shape)}, expected input with shape "
+            f"[*, {', '.join(map(str, shape))}], but got input of size {_size(input.shape)}; "
+            f"{op} normalizes over the trailing dims, so normalized_shape must equal the "
+            f"last {k} dim(s) of the input")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and tuple(p.shape) != shape:
+            raise RuntimeError(f"Expected {name} to be of same shape as normalized_shape, but "
+                               f"got {name} of shape {_size(p.shape)} and normalized_shape = "
+                               f"{list(shape)}")
+    return shape
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    r"""Layer normalization: one mean and variance per sample (per token), over the
+    trailing ``normalized_shape`` dims; elementwise affine over those dims.
+
+    .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma
+              + \beta
+
+    Example::
+
+        >>> x = torch.tensor([[49., 90., 29., 76., 33.]])
+        >>> layer_norm(x, [5]).round(decimals=4)
+        tensor([[-0.2675,  1.4464, -1.1036,  0.8611, -0.9364]])
+    """
+    shape = _check_normalized_shape(input, normalized_shape, weight, bias, "layer_norm")
+    return _normalize(input, G.layer(input.shape, len(shape)), weight, bias, eps)[0]
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None):
+    r"""RMS normalization (Zhang & Sennrich, 2019): LayerNorm without centering.
+
+    .. math:: y = \frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}} \cdot \gamma
+
+    ``eps=None`` uses ``torch.finfo(input.dtype).eps``, as torch does.
+    """
+    shape = _check_normalized_shape(input, normalized_shape, weight, None, "rms_norm")
+    if eps is None:
+        eps = torch.finfo(input.dtype).eps
+    return _normalize(input, G.layer(input.shape, len(shape)), weight, None, eps, False)[0]
+
+
+def normalize(x, dims, eps=1e-5, weight=None, bias=None, center=True):
+    r"""Standardize ``x`` over any set of ``dims``; the general form of every method.
+
+    .. math:: y = \gamma \cdot \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + \beta
+
+    with :math:`\mu, \sigma^2` the mean and biased variance over ``dims`` (one statistic
+    for every index of the other dims). ``center=False`` gives RMS normalization
+    (:math:`\mu = 0`, :math:`\sigma^2 = \mathrm{mean}(x^2)`). ``weight`` and ``bias``
+    broadcast against ``x``. Unlike ``torch.nn.functional.normalize`` (an Lp-norm
+    rescaling), this is a standardization.
+
+    Example::
+
+        >>> x = torch.randn(4, 3, 8, 8)
+        >>> y = normalize(x, dims=(0, 2, 3))            # BatchNorm's groups
+        >>> z = normalize(x, dims=(-1,), center=False)  # RMSNorm over the last dim
+    """
+    if isinstance(dims, int):
+        dims = (dims,)
+    dims = tuple(dims)
+    nd = x.dim()
+    bad = [d for d in dims if not -nd <= d < nd]
+    if bad or not dims:
+        raise ValueError(f"dims must be a non-empty set of dims of a {nd}D input "
+                         f"(between {-nd} and {nd - 1}), got {dims}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            try:
+                torch.broadcast_shapes(p.shape, x.shape)
+            except RuntimeError:
+                raise ValueError(f"{name} of shape {_size(p.shape)} does not broadcast against "
+                                 f"the input of shape {_size(x.shape)}") from None
+            if p.dim() > x.dim() or torch.broadcast_shapes(p.shape, x.shape) != x.shape:
+                raise ValueError(f"{name} of shape {_size(p.shape)} would enlarge the input "
+                                 f"of shape {_size(x.shape)}; give it at most x's shape")
+    return _normalize(x, G.dims(x.shape, dims), weight, bias, eps, center)[0]
