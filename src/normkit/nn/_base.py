@@ -1,0 +1,99 @@
+"""Shared pieces of the normkit layers: argument checks and the running-statistics base."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["check_eps", "NormBase"]
+
+
+def check_eps(eps, cls_name: str, allow_none: bool = False):
+    """``eps`` must be a positive finite number: it keeps ``rsqrt(var + eps)`` finite for
+    constant groups."""
+    if eps is None and allow_none:
+        return
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) \
+            or eps <= 0:
+        raise ValueError(
+            f"{cls_name}: eps must be a positive finite number (it is added to the variance "
+            f"before the square root so that a constant group is not divided by zero), got "
+            f"eps={eps!r}; the usual value is 1e-5")
+
+
+class NormBase(nn.Module):
+    """Common base of the BatchNorm and InstanceNorm layers: parameters and running buffers
+    with ``torch.nn``'s names, dtypes and initial values.
+
+    Buffers: ``running_mean`` (zeros), ``running_var`` (ones, unbiased estimates),
+    ``num_batches_tracked`` (int64 count) when ``track_running_stats``; otherwise
+    registered as ``None`` so that the state_dict keys match torch's.
+    """
+
+    _version = 2
+    __constants__ = ["track_running_stats", "momentum", "eps", "num_features", "affine"]
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, device=None, dtype=None, *, bias=True):
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        check_eps(eps, type(self).__name__)
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.affine = affine
+        self.track_running_stats = track_running_stats
+        if affine:
+            self.weight = nn.Parameter(torch.empty(num_features, **factory_kwargs))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(num_features, **factory_kwargs))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(num_features, **factory_kwargs))
+            self.register_buffer("running_var", torch.ones(num_features, **factory_kwargs))
+            self.register_buffer(
+                "num_batches_tracked",
+                torch.tensor(0, dtype=torch.long,
+                             **{k: v for k, v in factory_kwargs.items() if k != "dtype"}))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            nn.init.ones_(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, bias={self.bias is not None}, "
+                f"track_running_stats={self.track_running_stats}")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # checkpoints written before version 2 have no num_batches_tracked: start it at 0
+        version = local_metadata.get("version", None)
+        if (version is None or version < 2) and self.track_running_stats:
+            key = prefix + "num_batches_tracked"
+            if key not in state_dict:
+                nbt = self.num_batches_tracked
+                state_dict[key] = (nbt if nbt is not None and nbt.device.type != "meta"
+                                   else torch.tensor(0, dtype=torch.long))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)

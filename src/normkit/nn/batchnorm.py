@@ -1,0 +1,89 @@
+"""BatchNorm layers: one mean and variance per channel, over the batch and all positions."""
+
+from __future__ import annotations
+
+import torch
+
+from normkit import functional as F
+from normkit.nn._base import NormBase
+
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
+
+
+class _BatchNorm(NormBase):
+    _accepted_dims: tuple = ()
+
+    def _check_input_dim(self, input) -> None:
+        if input.dim() not in self._accepted_dims:
+            want = " or ".join(f"{d}D" for d in self._accepted_dims)
+            raise ValueError(f"expected {want} input (got {input.dim()}D input of size "
+                             f"{list(input.shape)}) for {type(self).__name__}")
+
+    def _exponential_average_factor(self) -> float:
+        """The momentum of this step; with ``momentum=None`` the running statistics are the
+        cumulative average of all batches (factor ``1 / num_batches_tracked``)."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        return factor
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        factor = self._exponential_average_factor()
+        # batch statistics in training, and in eval when there are no running statistics
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        track = not self.training or self.track_running_stats
+        return F.batch_norm(input,
+                            self.running_mean if track else None,
+                            self.running_var if track else None,
+                            self.weight, self.bias, use_batch_stats, factor, self.eps)
+
+
+_BN_DOC = r"""Batch normalization over a {ndim}D input ``(N, C{spatial})`` (Ioffe & Szegedy, 2015).
+
+    .. math:: y = \frac{{x - \mathrm{{E}}[x]}}{{\sqrt{{\mathrm{{Var}}[x] + \epsilon}}}} * \gamma + \beta
+
+    Mean and variance are taken per channel over N{over}. In training the *biased*
+    variance normalizes and the running estimates are updated with
+    ``running = (1 - momentum) * running + momentum * batch_stat``, the variance stored
+    *unbiased*; ``momentum=None`` makes them a cumulative average. In eval the running
+    estimates normalize (the batch's, if ``track_running_stats=False``).
+
+    Args:
+        num_features: C, the number of channels.
+        eps: added to the variance inside the square root. Default: 1e-5.
+        momentum: weight of the new batch in the running estimates, or None. Default: 0.1.
+        affine: learnable per-channel weight (init 1) and bias (init 0). Default: True.
+        track_running_stats: keep running estimates for eval. Default: True.
+        bias: with ``affine``, whether to learn the bias (keyword-only). Default: True.
+
+    Shape:
+        Input and output: ``{shape}`` (same shape, dtype and memory format).
+
+    Example::
+
+        >>> m = {name}(3)
+        >>> y = m(torch.randn({example}))
+"""
+
+
+class BatchNorm1d(_BatchNorm):
+    __doc__ = _BN_DOC.format(ndim="2D or 3", spatial=", [L]", over=" (and L)",
+                             shape="(N, C) or (N, C, L)", name="BatchNorm1d",
+                             example="8, 3")
+    _accepted_dims = (2, 3)
+
+
+class BatchNorm2d(_BatchNorm):
+    __doc__ = _BN_DOC.format(ndim="4", spatial=", H, W", over=", H and W",
+                             shape="(N, C, H, W)", name="BatchNorm2d", example="8, 3, 5, 5")
+    _accepted_dims = (4,)
+
+
+class BatchNorm3d(_BatchNorm):
+    __doc__ = _BN_DOC.format(ndim="5", spatial=", D, H, W", over=", D, H and W",
+                             shape="(N, C, D, H, W)", name="BatchNorm3d",
+                             example="4, 3, 2, 5, 5")
+    _accepted_dims = (5,)

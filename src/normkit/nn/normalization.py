@@ -1,0 +1,198 @@
+"""Per-sample layers: LayerNorm, GroupNorm and RMSNorm (no batch statistics, so training
+and eval agree)."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import nn
+
+from normkit import functional as F
+from normkit.nn._base import check_eps
+
+__all__ = ["LayerNorm", "GroupNorm", "RMSNorm"]
+
+
+def _as_shape(normalized_shape, cls_name) -> tuple:
+    if isinstance(normalized_shape, numbers.Integral):
+        normalized_shape = (normalized_shape,)
+    shape = tuple(int(s) for s in normalized_shape)
+    if not shape or any(s < 0 for s in shape):
+        raise ValueError(f"{cls_name}: normalized_shape must be a non-empty list of sizes "
+                         f"(the trailing dims of the input), got {normalized_shape!r}")
+    return shape
+
+
+class LayerNorm(nn.Module):
+    r"""Layer normalization over the trailing ``normalized_shape`` dims (Ba et al., 2016).
+
+    .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    Mean and *biased* variance per sample (per token) over the last
+    ``len(normalized_shape)`` dims; elementwise affine over those dims. It uses the same
+    statistics in training and eval.
+
+    Args:
+        normalized_shape: the trailing shape to normalize over (int or list).
+        eps: added to the variance inside the square root. Default: 1e-5.
+        elementwise_affine: learnable weight (init 1) and bias (init 0). Default: True.
+        bias: with ``elementwise_affine``, whether to learn the bias. Default: True.
+
+    Shape:
+        Input and output: ``(*, *normalized_shape)``.
+
+    Example::
+
+        >>> m = LayerNorm(768)
+        >>> y = m(torch.randn(2, 197, 768))   # per token, as in a ViT / SigLIP tower
+    """
+
+    __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
+                 device=None, dtype=None):
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.normalized_shape = _as_shape(normalized_shape, type(self).__name__)
+        check_eps(eps, type(self).__name__)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}")
+
+
+class GroupNorm(nn.Module):
+    r"""Group normalization (Wu & He, 2018) over ``(N, C, *)``.
+
+    .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    The C channels are split into ``num_groups`` groups of C / G; mean and *biased*
+    variance per sample and group, over its channels and all positions. The affine is
+    per channel. G = 1 is LayerNorm over (C, *); G = C is InstanceNorm.
+
+    Args:
+        num_groups: G; must divide ``num_channels``.
+        num_channels: C.
+        eps: added to the variance inside the square root. Default: 1e-5.
+        affine: learnable per-channel weight (init 1) and bias (init 0). Default: True.
+        bias: with ``affine``, whether to learn the bias (keyword-only). Default: True.
+
+    Shape:
+        Input and output: ``(N, C, *)``.
+
+    Example::
+
+        >>> m = GroupNorm(2, 6)
+        >>> y = m(torch.randn(4, 6, 10, 10))
+    """
+
+    __constants__ = ["num_groups", "num_channels", "eps", "affine"]
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None,
+                 dtype=None, *, bias=True):
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        if num_groups <= 0 or num_channels % num_groups != 0:
+            divisors = [d for d in range(1, num_channels + 1) if num_channels % d == 0]
+            raise ValueError(f"num_channels ({num_channels}) must be divisible by num_groups "
+                             f"({num_groups}); valid num_groups for {num_channels} channels: "
+                             f"{divisors}")
+        check_eps(eps, type(self).__name__)
+        self.num_groups = num_groups
+        self.num_channels = num_channels
+        self.eps = eps
+        self.affine = affine
+        if affine:
+            self.weight = nn.Parameter(torch.empty(num_channels, **factory_kwargs))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(num_channels, **factory_kwargs))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.affine:
+            nn.init.ones_(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_groups}, {self.num_channels}, eps={self.eps}, "
+                f"affine={self.affine}, bias={self.bias is not None}")
+
+
+class RMSNorm(nn.Module):
+    r"""Root-mean-square normalization (Zhang & Sennrich, 2019): LayerNorm without
+    centering.
+
+    .. math:: y = \frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}} * \gamma
+
+    Args:
+        normalized_shape: the trailing shape to normalize over (int or list).
+        eps: added inside the square root; None uses ``torch.finfo(x.dtype).eps``.
+            Default: None.
+        elementwise_affine: learnable weight (init 1). Default: True.
+
+    Shape:
+        Input and output: ``(*, *normalized_shape)``.
+
+    Example::
+
+        >>> m = RMSNorm(4096)
+        >>> y = m(torch.randn(2, 16, 4096))
+    """
+
+    __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
+                 dtype=None):
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.normalized_shape = _as_shape(normalized_shape, type(self).__name__)
+        check_eps(eps, type(self).__name__, allow_none=True)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
