@@ -21,7 +21,8 @@ from normkit import grouping as G
 from normkit.autograd import normalize as _normalize
 from normkit.backends.torch_ops import stat_dtype
 
-__all__ = ["batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm", "normalize"]
+__all__ = ["batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm", "normalize",
+           "batch_renorm"]
 
 
 def _size(shape) -> list:
@@ -69,6 +70,10 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         _check_param(name, p, c, f"input has {c} channels at dim 1")
     grouping = G.batch(input.shape)
     n = grouping.group_size
+    if eps < 0 or (training and eps == 0):
+        raise ValueError(f"batch_norm eps must be positive (non-negative in eval), got "
+                         f"eps={eps}: it keeps a constant channel from dividing by zero; "
+                         f"use the usual 1e-5")
     if training and n == 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size "
@@ -236,3 +241,73 @@ def normalize(x, dims, eps=1e-5, weight=None, bias=None, center=True):
                 raise ValueError(f"{name} of shape {_size(p.shape)} would enlarge the input "
                                  f"of shape {_size(x.shape)}; give it at most x's shape")
     return _normalize(x, G.dims(x.shape, dims), weight, bias, eps, center)[0]
+
+
+def batch_renorm(input, running_mean, running_var, weight=None, bias=None, training=False,
+                 momentum=0.1, eps=1e-5, r_max=3.0, d_max=5.0):
+    r"""Batch renormalization (Ioffe, 2017) over ``(N, C, *S)``: BatchNorm whose batch
+    statistics are corrected toward the running ones.
+
+    .. math::
+        \hat{x} = \frac{x - \mu_B}{\sigma_B}, \quad
+        y = \gamma \cdot (\hat{x} \cdot r + d) + \beta, \quad
+        r = \mathrm{clip}_{[1/r_{max},\, r_{max}]}\Big(\frac{\sigma_B}{\sigma}\Big), \quad
+        d = \mathrm{clip}_{[-d_{max},\, d_{max}]}\Big(\frac{\mu_B - \mu}{\sigma}\Big)
+
+    with :math:`\mu_B` and :math:`\sigma_B = \sqrt{\mathrm{Var}_B + \epsilon}` the batch
+    mean and (biased) standard deviation per channel, :math:`\mu` = ``running_mean`` and
+    :math:`\sigma = \sqrt{\texttt{running\_var} + \epsilon}`. ``r`` and ``d`` are
+    constants for the gradient (stop-gradient). ``r_max = 1, d_max = 0`` is BatchNorm;
+    unclipped, the output equals eval mode's. The running statistics (required) are then
+    updated as BatchNorm's, the variance stored unbiased. In eval this is
+    ``batch_norm(..., training=False)``.
+
+    Computed as BatchNorm with the folded per-channel affine ``weight * r`` and
+    ``weight * d + bias``, so the weight gradient is ``sum(g * (xhat * r + d))`` and the
+    bias gradient ``sum(g)``; the batch statistics are computed once more (without
+    autograd) to get ``r`` and ``d`` before the normalization.
+
+    Example::
+
+        >>> x = torch.randn(8, 3, 4, 4)
+        >>> rm, rv = torch.zeros(3), torch.ones(3)
+        >>> y = batch_renorm(x, rm, rv, training=True, r_max=2.0, d_max=1.0)
+    """
+    if input.dim() < 2:
+        raise ValueError(f"batch_renorm expects an input of shape (N, C, *), got {input.dim()}D "
+                         f"input of size {_size(input.shape)}; add a batch dim with unsqueeze(0)")
+    if running_mean is None or running_var is None:
+        raise ValueError("batch_renorm needs running_mean and running_var (r and d compare the "
+                         "batch statistics with them); pass both, or use batch_norm")
+    if not r_max >= 1.0 or not d_max >= 0.0:
+        raise ValueError(f"batch_renorm needs r_max >= 1 and d_max >= 0 (r is clipped to "
+                         f"[1/r_max, r_max], d to [-d_max, d_max]), got r_max={r_max}, "
+                         f"d_max={d_max}; r_max=1, d_max=0 is plain batch_norm")
+    if not training:
+        return batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
+    c = input.shape[1]
+    for name, p in (("running_mean", running_mean), ("running_var", running_var),
+                    ("weight", weight), ("bias", bias)):
+        _check_param(name, p, c, f"input has {c} channels at dim 1")
+    grouping = G.batch(input.shape)
+    n = grouping.group_size
+    if n == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size "
+            f"{input.size()}; use a larger batch or eval mode")
+    sdtype = stat_dtype(input.dtype)
+    with torch.no_grad():                                          # r, d: stop-gradient
+        xs = input.to(sdtype).reshape(grouping.view)               # N, C, S
+        var_b, mean_b = torch.var_mean(xs, dim=grouping.reduce, correction=0)   # C
+        sigma = torch.sqrt(running_var.to(sdtype) + eps)                        # C
+        r = (torch.sqrt(var_b + eps) / sigma).clamp(1.0 / r_max, r_max)         # C
+        d = ((mean_b - running_mean.to(sdtype)) / sigma).clamp(-d_max, d_max)   # C
+    w_eff = r if weight is None else weight.to(sdtype) * r         # gamma * r
+    b_eff = d if weight is None else weight.to(sdtype) * d         # gamma * d
+    if bias is not None:
+        b_eff = b_eff + bias.to(sdtype)                            # gamma * d + beta
+    y, mean, var = _normalize(input, grouping, w_eff, b_eff, eps)
+    if n > 0:
+        _update_running(running_mean, mean.view(c), momentum)
+        _update_running(running_var, var.view(c) * (n / (n - 1)), momentum)
+    return y

@@ -1,0 +1,336 @@
+"""normkit.functional against torch.nn.functional: outputs, gradients, running statistics,
+gradcheck/gradgradcheck, hard inputs and invariances."""
+
+import itertools
+
+import numpy as np
+import pytest
+from conftest import assert_close
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as TF  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+import normkit.functional as NF  # noqa: E402
+from normkit import reference  # noqa: E402
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def _make(shape, dtype, seed=0, requires_grad=True, scale=1.0, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * scale + offset).to(dtype)
+    return x.requires_grad_(requires_grad)
+
+
+def _params(c_shape, dtype, weight, bias, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.rand(c_shape, generator=g, dtype=torch.float64) + 0.5).to(dtype) if weight else None
+    b = torch.randn(c_shape, generator=g, dtype=torch.float64).to(dtype) if bias else None
+    return [p.requires_grad_() if p is not None else None for p in (w, b)]
+
+
+def _run_both(nk_fn, th_fn, x, params, seed=3):
+    """Forward and backward through both implementations with the same upstream grad."""
+    results = []
+    for fn in (nk_fn, th_fn):
+        xs = x.detach().clone().requires_grad_()
+        ps = [p.detach().clone().requires_grad_() if p is not None else None for p in params]
+        y = fn(xs, *ps)
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed),
+                        dtype=torch.float64).to(y.dtype)
+        inputs = [xs] + [p for p in ps if p is not None]
+        grads = torch.autograd.grad(y, inputs, g)
+        results.append((y, grads))
+    return results
+
+
+def _check(nk_fn, th_fn, x, params, dtype):
+    (y1, g1), (y2, g2) = _run_both(nk_fn, th_fn, x, params)
+    assert y1.dtype == y2.dtype == dtype
+    assert_close(y1, y2, dtype, msg="forward")
+    for a, b in zip(g1, g2):
+        assert a.dtype == b.dtype
+        assert_close(a, b, dtype, grad=True, msg="gradient")
+
+
+AFFINE = [(True, True), (True, False), (False, False)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,k", [((7, 13), 1), ((2, 3, 1536), 1), ((3, 4, 5, 6), 2),
+                                     ((2, 3, 4, 5, 7), 3), ((5, 123, 123), 1)])
+@pytest.mark.parametrize("weight,bias", AFFINE)
+def test_layer_norm(dtype, shape, k, weight, bias):
+    x = _make(shape, dtype)
+    ns = list(shape[-k:])
+    w, b = _params(ns, dtype, weight, bias)
+    _check(lambda x, *p: NF.layer_norm(x, ns, *p), lambda x, *p: TF.layer_norm(x, ns, *p),
+           x, [w, b], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,k", [((7, 13), 1), ((2, 3, 1536), 1), ((3, 4, 5, 6), 2)])
+@pytest.mark.parametrize("weight", [True, False])
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_rms_norm(dtype, shape, k, weight, eps):
+    x = _make(shape, dtype)
+    ns = list(shape[-k:])
+    w, _ = _params(ns, dtype, weight, False)
+    _check(lambda x, *p: NF.rms_norm(x, ns, *p, eps=eps),
+           lambda x, *p: TF.rms_norm(x, ns, *p, eps=eps), x, [w], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,groups", [((2, 6), 3), ((3, 6, 7), 2), ((2, 8, 5, 3), 4),
+                                          ((2, 4, 3, 3, 3), 1), ((1, 6, 11, 13), 6)])
+@pytest.mark.parametrize("weight,bias", AFFINE)
+def test_group_norm(dtype, shape, groups, weight, bias):
+    x = _make(shape, dtype)
+    w, b = _params(shape[1], dtype, weight, bias)
+    _check(lambda x, *p: NF.group_norm(x, groups, *p), lambda x, *p: TF.group_norm(x, groups, *p),
+           x, [w, b], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 3, 5, 4), (2, 3, 2, 3, 4)])
+@pytest.mark.parametrize("weight,bias", AFFINE)
+def test_instance_norm(dtype, shape, weight, bias):
+    x = _make(shape, dtype)
+    w, b = _params(shape[1], dtype, weight, bias)
+    _check(lambda x, *p: NF.instance_norm(x, weight=p[0] if p else None,
+                                          bias=p[1] if len(p) > 1 else None),
+           lambda x, *p: TF.instance_norm(x, weight=p[0] if p else None,
+                                          bias=p[1] if len(p) > 1 else None),
+           x, [p for p in (w, b) if p is not None] or [], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(9, 4), (5, 3, 7), (4, 3, 5, 6), (2, 3, 2, 3, 4)])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("weight,bias", AFFINE)
+def test_batch_norm(dtype, shape, training, weight, bias):
+    x = _make(shape, dtype)
+    c = shape[1]
+    w, b = _params(c, dtype, weight, bias)
+    buffers = {}
+    for name in ("nk", "th"):  # buffers in the layer's dtype, as a module would hold them
+        gen = torch.Generator().manual_seed(7)
+        buffers[name] = (torch.randn(c, generator=gen).to(dtype),
+                         (torch.rand(c, generator=gen) + 0.5).to(dtype))
+    _check(lambda x, *p: NF.batch_norm(x, *buffers["nk"], *p, training=training, momentum=0.3),
+           lambda x, *p: TF.batch_norm(x, *buffers["th"], *p, training=training, momentum=0.3),
+           x, [w, b], dtype)
+    # running statistics: updated once per forward, identically
+    for a, e in zip(buffers["nk"], buffers["th"]):
+        assert_close(a, e, dtype)
+
+
+def test_batch_norm_running_stats_match_reference():
+    x = _make((6, 3, 4, 5), torch.float64, requires_grad=False)
+    rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    NF.batch_norm(x, rm, rv, training=True, momentum=0.25)
+    _, cache = reference.batch_norm_forward(x.numpy(), np.zeros(3), np.ones(3), training=True,
+                                            momentum=0.25)
+    np.testing.assert_allclose(rm.numpy(), cache["new_running_mean"], rtol=1e-12)
+    np.testing.assert_allclose(rv.numpy(), cache["new_running_var"], rtol=1e-12)
+
+
+@pytest.mark.parametrize("use_input_stats", [True, False])
+def test_instance_norm_running_stats(use_input_stats):
+    x = _make((4, 3, 5, 6), torch.float64)
+    bufs = [(torch.zeros(3, dtype=torch.float64) + 0.2, torch.ones(3, dtype=torch.float64) * 1.5)
+            for _ in range(2)]
+    w, b = _params(3, torch.float64, True, True)
+    _check(lambda x, *p: NF.instance_norm(x, *bufs[0], *p, use_input_stats=use_input_stats,
+                                          momentum=0.2),
+           lambda x, *p: TF.instance_norm(x, *bufs[1], *p, use_input_stats=use_input_stats,
+                                          momentum=0.2), x, [w, b], torch.float64)
+    for a, e in zip(bufs[0], bufs[1]):
+        assert_close(a, e, torch.float64)
+
+
+# --- gradcheck / gradgradcheck in float64 for every functional op ----------------------
+
+def _gc_cases():
+    x = lambda *s: _make(s, torch.float64, seed=11)  # noqa: E731
+    p = lambda *s: _params(s, torch.float64, True, True, seed=12)  # noqa: E731
+    rm, rv = torch.randn(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64) + 0.5
+    return {
+        "layer_norm": (lambda x, w, b: NF.layer_norm(x, [5], w, b), [x(3, 4, 5), *p(5)]),
+        "rms_norm": (lambda x, w: NF.rms_norm(x, [4, 5], w, eps=1e-5), [x(3, 4, 5), p(4, 5)[0]]),
+        "group_norm": (lambda x, w, b: NF.group_norm(x, 2, w, b), [x(2, 4, 3, 2), *p(4)]),
+        "instance_norm": (lambda x, w, b: NF.instance_norm(x, weight=w, bias=b),
+                          [x(2, 3, 4), *p(3)]),
+        "batch_norm_train": (lambda x, w, b: NF.batch_norm(x, None, None, w, b, training=True),
+                             [x(4, 3, 2), *p(3)]),
+        "batch_norm_eval": (lambda x, w, b: NF.batch_norm(x, rm, rv, w, b, training=False),
+                            [x(4, 3, 2), *p(3)]),
+        "normalize": (lambda x, w, b: NF.normalize(x, (0, 2), weight=w.view(1, 3, 1),
+                                                   bias=b.view(1, 3, 1)), [x(4, 3, 2), *p(3)]),
+        "normalize_rms": (lambda x, w: NF.normalize(x, -1, weight=w, center=False),
+                          [x(4, 3, 5), p(5)[0]]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_gc_cases()))
+def test_gradcheck_and_gradgradcheck(name):
+    fn, inputs = _gc_cases()[name]
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+def test_backward_saves_only_input_and_fp32_stats():
+    x = _make((4, 6, 5), torch.bfloat16)
+    w, b = _params(6, torch.bfloat16, True, True)
+    y = NF.group_norm(x, 3, w, b)
+    saved = y.grad_fn.saved_tensors
+    sizes = sorted(t.numel() for t in saved)
+    assert any(t is x for t in saved)
+    stats = [t for t in saved if t.numel() == 4 * 3]
+    assert len(stats) == 2 and all(t.dtype == torch.float32 for t in stats)
+    assert sizes == sorted([x.numel(), w.numel(), 12, 12])
+
+
+# --- memory format -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["batch", "instance", "group"])
+def test_channels_last_output_keeps_memory_format(op):
+    x = _make((3, 8, 5, 4), torch.float32).detach().to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    fns = {"batch": (lambda t: NF.batch_norm(t, None, None, training=True),
+                     lambda t: TF.batch_norm(t, None, None, training=True)),
+           "instance": (NF.instance_norm, TF.instance_norm),
+           "group": (lambda t: NF.group_norm(t, 4), lambda t: TF.group_norm(t, 4))}
+    nk, th = fns[op]
+    y = nk(x)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert_close(y, th(x.detach()), torch.float32)
+    (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert gx.shape == x.shape
+
+
+# --- hard inputs ---------------------------------------------------------------------------
+
+def test_constant_rows_with_tiny_eps_give_finite_zeros():
+    x = torch.full((4, 16), 3.0, requires_grad=True)
+    y = NF.layer_norm(x, [16], eps=1e-12)
+    assert torch.isfinite(y).all() and (y == 0).all()
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_offset_small_spread_matches_exact(dtype):
+    base = torch.tensor([1e6], dtype=torch.float64)
+    x64 = base + torch.linspace(-0.5, 0.5, 64, dtype=torch.float64)
+    x = x64.to(dtype).view(1, 64)
+    y = NF.layer_norm(x, [64], eps=1e-9)
+    exact, _ = reference.layer_norm_forward(x.double().numpy(), [64], eps=1e-9)
+    np.testing.assert_allclose(y.double().numpy(), exact, atol=1e-3 if dtype == torch.float32
+                               else 1e-9)
+    th = TF.layer_norm(x, [64], eps=1e-9)
+    err_nk = (y.double() - torch.from_numpy(exact)).abs().max()
+    err_th = (th.double() - torch.from_numpy(exact)).abs().max()
+    assert err_nk <= err_th + 1e-6
+
+
+def test_fp16_whose_squares_overflow():
+    x = (torch.randn(4, 64, dtype=torch.float64) * 300 + 1000).to(torch.float16)
+    assert torch.isinf(x.float().square().to(torch.float16)).any()
+    y = NF.layer_norm(x, [64])
+    assert torch.isfinite(y).all()
+    exact, _ = reference.layer_norm_forward(x.double().numpy(), [64])
+    np.testing.assert_allclose(y.double().numpy(), exact, atol=1e-2)
+    z = NF.rms_norm(x, [64])
+    assert torch.isfinite(z).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_and_inf_propagate_like_torch(bad):
+    x = torch.randn(3, 4, 5)
+    x[1, 2, 3] = bad
+    for nk, th in [(lambda t: NF.layer_norm(t, [5]), lambda t: TF.layer_norm(t, [5])),
+                   (lambda t: NF.group_norm(t, 2), lambda t: TF.group_norm(t, 2)),
+                   (lambda t: NF.batch_norm(t, None, None, training=True),
+                    lambda t: TF.batch_norm(t, None, None, training=True))]:
+        a, b = nk(x), th(x)
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert_close(a, b, torch.float32)
+
+
+# --- errors ----------------------------------------------------------------------------
+
+def test_errors_match_torch_types_and_carry_values():
+    cases = [
+        (lambda F: F.batch_norm(torch.randn(1, 3), torch.zeros(3), torch.ones(3), training=True),
+         ValueError, "more than 1 value per channel"),
+        (lambda F: F.group_norm(torch.randn(2, 4, 3), 3), RuntimeError, "divisible"),
+        (lambda F: F.layer_norm(torch.randn(4, 3), [4]), RuntimeError, "normalized_shape"),
+        (lambda F: F.rms_norm(torch.randn(4, 3), [4]), RuntimeError, "normalized_shape"),
+        (lambda F: F.batch_norm(torch.randn(4, 3), torch.zeros(4), torch.ones(4)),
+         RuntimeError, "running_mean"),
+        (lambda F: F.instance_norm(torch.randn(2, 3, 1)), ValueError, "spatial"),
+    ]
+    for call, err, text in cases:
+        with pytest.raises(err):
+            call(TF)
+        with pytest.raises(err, match=text):
+            call(NF)
+
+
+def test_normalize_rejects_bad_dims():
+    with pytest.raises(ValueError, match="dims"):
+        NF.normalize(torch.randn(2, 3), dims=(5,))
+
+
+# --- the general form is every method ----------------------------------------------------
+
+def test_normalize_reproduces_each_method():
+    x = _make((4, 6, 3, 5), torch.float64, requires_grad=False)
+    assert_close(NF.normalize(x, (0, 2, 3)), TF.batch_norm(x, None, None, training=True))
+    assert_close(NF.normalize(x, (2, 3)), TF.instance_norm(x))
+    assert_close(NF.normalize(x, (1, 2, 3)), TF.group_norm(x, 1))
+    assert_close(NF.normalize(x, -1, eps=1e-6, center=False), TF.rms_norm(x, [5], eps=1e-6))
+
+
+# --- properties: shift and scale invariance on random shapes ------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 6), min_size=2, max_size=4),
+       shift=st.floats(-1e3, 1e3), scale=st.floats(0.1, 100.0), seed=st.integers(0, 2**16))
+def test_shift_and_scale_invariance(shape, shift, scale, seed):
+    x = _make(shape, torch.float64, seed=seed, requires_grad=False)
+    dims = tuple(range(1, len(shape)))
+    if np.prod(shape[1:]) < 2:
+        return
+    y = NF.normalize(x, dims, eps=0.0 + 1e-30)
+    y2 = NF.normalize(x * scale + shift, dims, eps=1e-30)
+    varmin = float(x.var(dim=dims, unbiased=False).min())
+    if varmin < 1e-6:
+        return
+    torch.testing.assert_close(y, y2, atol=1e-7, rtol=1e-7)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(2, 6), c=st.integers(1, 4), s=st.integers(1, 5), seed=st.integers(0, 999))
+def test_functional_matches_reference_backward(n, c, s, seed):
+    x = _make((n, c, s), torch.float64, seed=seed)
+    w, b = _params(c, torch.float64, True, True, seed=seed + 1)
+    y = NF.batch_norm(x, None, None, w, b, training=True)
+    g = torch.randn_like(y)
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), g)
+    out, cache = reference.batch_norm_forward(x.detach().numpy(), weight=w.detach().numpy(),
+                                              bias=b.detach().numpy(), training=True)
+    rdx, rdw, rdb = reference.batch_norm_backward(g.numpy(), cache)
+    np.testing.assert_allclose(y.detach().numpy(), out, atol=1e-10)
+    for a, e in zip((dx, dw, db), (rdx, rdw, rdb)):
+        np.testing.assert_allclose(a.numpy(), e, atol=1e-9)
+
+
+def test_all_flag_combinations_compile():
+    # every (op, weight, bias) combination runs forward and backward
+    x = _make((3, 4, 5), torch.float32)
+    for wflag, bflag in itertools.product([True, False], repeat=2):
+        w, b = _params(4, torch.float32, wflag, bflag)
+        NF.group_norm(x, 2, w, b).sum().backward()
