@@ -1,0 +1,505 @@
+"""StandardScaler and MinMaxScaler: scikit-learn estimators over normkit's statistics core.
+
+Both scalers are the "stats" and "standardize" steps of normkit's one recipe, with the
+statistics reduced over samples (axis 0) and kept per feature:
+
+* ``StandardScaler`` keeps ``Moments`` (count, shift-relative mean, m2) and maps
+  ``z = (x - mean_) / scale_`` with ``scale_ = sqrt(var_)`` and the *biased* variance
+  ``var_ = m2 / count`` (as scikit-learn does);
+* ``MinMaxScaler`` keeps a ``Range`` (min, max) and maps ``y = x * scale_ + min_`` with
+  ``scale_ = (hi - lo) / (data_max_ - data_min_)`` and ``min_ = lo - data_min_ * scale_``.
+
+``fit`` is ``reset`` plus ``partial_fit``; every ``partial_fit`` computes the batch's
+statistics in one pass (``_kernels``) and merges them with the Chan rule, so a stream of
+chunks gives the statistics of the whole. Statistics are float64 whatever the input dtype;
+float32 input is read in place (no float64 copy) and float32 output is produced by one
+rounding of a float64 result.
+
+Differences from scikit-learn, all on the side of accuracy:
+
+* the mean and variance carry a per-feature shift (the feature's first finite value), so a
+  column offset by 1e15 keeps its small variance exactly;
+* a feature counts as constant (scale 1) when its standard deviation -- or, for
+  MinMaxScaler, its range -- is within ten rounding units of its magnitude
+  (``std <= 10 * eps * |mean|``). scikit-learn's bound also grows with the sample count
+  because its own variance loses accuracy with it; normkit's does not;
+* fitted statistics (``data_min_``, ``scale_``, ...) are float64 even for float32 input.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+from sklearn.base import BaseEstimator, OneToOneFeatureMixin, TransformerMixin
+from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
+
+from normkit.preprocessing import _kernels, _persist
+from normkit.stats import Moments, Range
+
+__all__ = ["MinMaxScaler", "StandardScaler", "min_max_scale", "standard_score"]
+
+_FLOAT_DTYPES = (np.float64, np.float32)
+_EPS = np.finfo(np.float64).eps
+#: rows scanned for each feature's first finite value (the shift); 0 beyond that
+_SHIFT_SCAN_ROWS = 4096
+
+
+def _is_dask(X) -> bool:
+    return callable(getattr(X, "__dask_graph__", None))
+
+
+def _non_numeric_columns(X):
+    """Names of the non-numeric columns of a pandas or polars frame, else ``[]``."""
+    dtypes = getattr(X, "dtypes", None)
+    columns = getattr(X, "columns", None)
+    if dtypes is None or columns is None:
+        return []
+    names = []
+    for name, dt in zip(columns, list(dtypes)):
+        is_numeric = getattr(dt, "is_numeric", None)
+        if callable(is_numeric):  # polars
+            ok = is_numeric()
+        else:
+            try:
+                ok = np.dtype(dt).kind in "biuf"
+            except TypeError:  # pandas extension dtypes
+                ok = getattr(dt, "_is_numeric", False)
+        if not ok:
+            names.append(str(name))
+    return names
+
+
+def _validate(est, X, *, reset, in_place=False):
+    """``validate_data`` with normkit's messages; infinity is checked later, in the kernels."""
+    try:
+        return validate_data(est, X, reset=reset, dtype=_FLOAT_DTYPES, ensure_all_finite=False,
+                             force_writeable=in_place)
+    except (TypeError, ValueError) as exc:
+        text = str(exc)
+        if not any(s in text for s in ("could not convert", "argument must be", "Unable to convert")):
+            raise
+        bad = _non_numeric_columns(X)
+        where = f" (non-numeric columns: {bad})" if bad else ""
+        raise type(exc)(
+            f"{type(est).__name__} needs numeric input{where}: {text}. Select the numeric "
+            "columns first (e.g. df.select_dtypes('number') or sklearn.compose.ColumnTransformer); "
+            "the `normkit scale` command passes the other columns through unchanged."
+        ) from exc
+
+
+def _raise_inf(est, n_inf, where):
+    raise ValueError(
+        f"Input X contains infinity ({n_inf} value{'s' if n_inf != 1 else ''}) in {where}; "
+        f"{type(est).__name__} ignores NaN but cannot scale infinite values. Replace them, e.g. "
+        "X[np.isinf(X)] = np.nan (NaN is ignored in fit and kept in transform)."
+    )
+
+
+def _first_finite(X):
+    """Each column's first finite value among the first rows (float64; 0 where none)."""
+    n, p = X.shape
+    shift = np.zeros(p)
+    todo = np.arange(p)
+    for b0 in range(0, min(n, _SHIFT_SCAN_ROWS), 256):
+        blk = np.asarray(X[b0:b0 + 256][:, todo], dtype=np.float64)
+        ok = np.isfinite(blk)
+        found = ok.any(axis=0)
+        rows = ok.argmax(axis=0)
+        shift[todo[found]] = blk[rows[found], np.flatnonzero(found)]
+        todo = todo[~found]
+        if not todo.size:
+            break
+    return shift
+
+
+def _out_array(est, X, copy):
+    """Output buffer for a transform: X itself (in place) or a new array like it."""
+    if copy:
+        return np.empty_like(X)
+    n_inf = int(np.isinf(X).sum())  # refuse before writing anything in place
+    if n_inf:
+        _raise_inf(est, n_inf, "transform")
+    return X
+
+
+class _ScalerBase(OneToOneFeatureMixin, TransformerMixin, BaseEstimator):
+    """Shared plumbing: Dask dispatch, persistence, tags."""
+
+    def save(self, path):
+        """Write the fitted scaler to ``path`` as readable JSON (format version, feature names,
+        statistics); the file is written to a temporary name and renamed at the end."""
+        check_is_fitted(self)
+        _persist.save(self, path)
+
+    @classmethod
+    def load(cls, path):
+        """Read a scaler written by :meth:`save`; raises ``ValueError`` naming the problem when
+        the file is corrupt, of another format version, or holds another kind of scaler."""
+        return _persist.load(path, expected=cls)
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.input_tags.allow_nan = True
+        tags.transformer_tags.preserves_dtype = ["float64", "float32"]
+        return tags
+
+
+class StandardScaler(_ScalerBase):
+    r"""Standardize features: remove the mean and scale to unit variance.
+
+    .. math::
+
+        z = \frac{x - \mu}{\sigma}, \qquad
+        \mu = \frac{\sum_i w_i x_i}{\sum_i w_i}, \qquad
+        \sigma^2 = \frac{\sum_i w_i (x_i - \mu)^2}{\sum_i w_i}
+
+    per feature, with the *biased* variance (as scikit-learn). A drop-in for
+    ``sklearn.preprocessing.StandardScaler`` on dense input: same constructor, defaults,
+    fitted attributes and errors; ``partial_fit`` merges batches exactly (Chan et al.),
+    NaN is ignored in fit and kept in transform, and a feature whose standard deviation is
+    within rounding of zero gets ``scale_ = 1`` (never a division by ~0).
+
+    Parameters
+    ----------
+    copy : bool, default=True
+        If False, transform in place when the input is already a float ndarray.
+    with_mean : bool, default=True
+        Center the data before scaling.
+    with_std : bool, default=True
+        Scale the data to unit variance.
+
+    Attributes
+    ----------
+    mean_ : ndarray of shape (n_features,) or None
+        Per-feature mean (float64); None when ``with_mean=False`` and ``with_std=False``.
+    var_ : ndarray of shape (n_features,) or None
+        Per-feature biased variance (float64); None when ``with_std=False``.
+    scale_ : ndarray of shape (n_features,) or None
+        ``sqrt(var_)``, 1 for constant features; None when ``with_std=False``.
+    n_samples_seen_ : int or ndarray of shape (n_features,)
+        Samples (or total weight) seen per feature, an int when equal for all features.
+    n_features_in_ : int
+    feature_names_in_ : ndarray of shape (n_features_in_,)
+        Defined when ``X`` had string column names.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from normkit.preprocessing import StandardScaler
+    >>> X = np.array([[0.0, 1e15], [2.0, 1e15 + 2.0]])
+    >>> s = StandardScaler().fit(X)
+    >>> s.var_.tolist(), s.transform(X).tolist()
+    ([1.0, 1.0], [[-1.0, -1.0], [1.0, 1.0]])
+    """
+
+    def __init__(self, *, copy=True, with_mean=True, with_std=True):
+        self.copy = copy
+        self.with_mean = with_mean
+        self.with_std = with_std
+
+    def _reset(self):
+        for name in ("n_samples_seen_", "mean_", "var_", "scale_", "_moments", "_weighted"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+    def fit(self, X, y=None, sample_weight=None):
+        """Compute the mean and standard deviation of ``X`` (array, DataFrame or Dask
+        collection); ``sample_weight`` weights each row."""
+        self._reset()
+        return self.partial_fit(X, y, sample_weight)
+
+    def partial_fit(self, X, y=None, sample_weight=None):
+        """Merge the statistics of the batch ``X`` into those seen so far."""
+        if _is_dask(X):
+            from normkit.dask import partial_fit
+
+            return partial_fit(self, X, sample_weight)
+        first = not hasattr(self, "n_samples_seen_")
+        X = _validate(self, X, reset=first)
+        weights = None
+        if sample_weight is not None:
+            weights = _check_sample_weight(sample_weight, X, dtype=np.float64)
+        self._update_moments(self._batch_moments(X, weights), weights is not None, "fit")
+        return self
+
+    # -- statistics --------------------------------------------------------------------
+    def _batch_moments(self, X, weights):
+        """Moments of one validated batch, in the shift of the statistics seen so far."""
+        shift = _first_finite(X)
+        old = getattr(self, "_moments", None)
+        if old is not None:
+            shift = np.where(old.count > 0, old.shift, shift)
+        return _kernels.column_moments(X, shift, weights)
+
+    def _update_moments(self, new: Moments, weighted: bool, where: str):
+        """Check a batch's moments for infinity, merge them in, and set the attributes."""
+        bad = (new.count > 0) & ~(np.isfinite(new.mean) & np.isfinite(new.m2))
+        if bad.any():
+            _raise_inf(self, int(bad.sum()), f"{where} (features {np.flatnonzero(bad).tolist()})")
+        old = getattr(self, "_moments", None)
+        if old is None:
+            moments = new
+        else:  # same shift where the old side has data; empty features adopt the new one
+            old = Moments(old.count, old.mean, old.m2, new.shift)
+            moments = old.merge(new)
+        self._moments = moments
+        self._weighted = bool(getattr(self, "_weighted", False) or weighted)
+        self._set_attributes()
+
+    def _set_attributes(self):
+        mo = self._moments
+        count = np.asarray(mo.count, dtype=np.float64)
+        # scikit-learn reports float counts once moments are computed, int counts otherwise
+        computed = self.with_mean or self.with_std or self._weighted
+        seen = count.copy() if computed else count.astype(np.int64)
+        self.n_samples_seen_ = seen[0] if seen.min() == seen.max() else seen
+        if not (self.with_mean or self.with_std):
+            self.mean_ = self.var_ = self.scale_ = None
+            return
+        with np.errstate(invalid="ignore"):
+            self.mean_ = np.where(count > 0, mo.total_mean(), np.nan)
+        if self.with_std:
+            self.var_ = np.asarray(mo.variance(0), dtype=np.float64)
+            constant = self.var_ <= (10 * _EPS * np.abs(self.mean_)) ** 2
+            self.scale_ = np.where(constant, 1.0, np.sqrt(self.var_))
+        else:
+            self.var_ = self.scale_ = None
+
+    # -- maps --------------------------------------------------------------------------
+    def _center_scale(self):
+        sub = self.mean_ if self.with_mean else 0.0
+        div = self.scale_ if self.with_std else 1.0
+        return sub, div
+
+    def transform(self, X, copy=None):
+        """``(X - mean_) / scale_``; NaN stays NaN. Dask collections transform lazily."""
+        check_is_fitted(self)
+        if _is_dask(X):
+            from normkit.dask import transform
+
+            return transform(self, X, inverse=False)
+        copy = self.copy if copy is None else copy
+        X = _validate(self, X, reset=False, in_place=not copy)
+        out = _out_array(self, X, copy)
+        sub, div = self._center_scale()
+        n_inf = _kernels.subtract_divide(X, sub, div, out)
+        if n_inf:
+            _raise_inf(self, n_inf, "transform")
+        return out
+
+    def inverse_transform(self, X, copy=None):
+        """``X * scale_ + mean_``: back to the original units."""
+        check_is_fitted(self)
+        if _is_dask(X):
+            from normkit.dask import transform
+
+            return transform(self, X, inverse=True)
+        copy = self.copy if copy is None else copy
+        X = _validate(self, X, reset=False, in_place=not copy)
+        out = _out_array(self, X, copy)
+        sub, div = self._center_scale()
+        n_inf = _kernels.multiply_add(X, div, sub, out)
+        if n_inf:
+            _raise_inf(self, n_inf, "inverse_transform")
+        return out
+
+    # -- persistence -------------------------------------------------------------------
+    def _get_state(self):
+        mo = self._moments
+        return {
+            "n_samples_seen_": np.asarray(mo.count, dtype=np.float64),
+            "mean_": self.mean_, "var_": self.var_, "scale_": self.scale_,
+            "weighted": self._weighted,
+            "moments": {"count": mo.count, "shift": mo.shift, "mean": mo.mean, "m2": mo.m2},
+        }
+
+    def _set_state(self, state, check):
+        m = state["moments"]
+        self._moments = Moments(check("moments.count", m["count"]), check("moments.mean", m["mean"]),
+                                check("moments.m2", m["m2"]), check("moments.shift", m["shift"]))
+        self._weighted = bool(state["weighted"])
+        self._set_attributes()
+        return {"mean_": self.mean_, "var_": self.var_, "scale_": self.scale_}
+
+
+class MinMaxScaler(_ScalerBase):
+    r"""Scale each feature to ``feature_range`` by its minimum and maximum.
+
+    .. math::
+
+        y = x \cdot s + m, \qquad s = \frac{hi - lo}{\max x - \min x}, \qquad
+        m = lo - s \min x
+
+    A drop-in for ``sklearn.preprocessing.MinMaxScaler``: same constructor, defaults,
+    fitted attributes and errors. NaN is ignored in fit and kept in transform; a feature whose
+    range is within rounding of zero gets ``data_range`` treated as 1.
+
+    Parameters
+    ----------
+    feature_range : tuple (lo, hi), default=(0, 1)
+        Desired range of the transformed data; ``lo < hi``.
+    copy : bool, default=True
+        If False, transform in place when the input is already a float ndarray.
+    clip : bool, default=False
+        Clip transformed values of held-out data to ``feature_range``.
+
+    Attributes
+    ----------
+    min_ : ndarray of shape (n_features,)
+        Per-feature offset ``lo - data_min_ * scale_``.
+    scale_ : ndarray of shape (n_features,)
+        Per-feature factor ``(hi - lo) / data_range_``.
+    data_min_, data_max_, data_range_ : ndarray of shape (n_features,)
+        Per-feature minimum, maximum and their difference (float64, NaN ignored).
+    n_samples_seen_ : int
+    n_features_in_ : int
+    feature_names_in_ : ndarray of shape (n_features_in_,)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from normkit.preprocessing import MinMaxScaler
+    >>> MinMaxScaler().fit_transform(np.array([[1.0], [3.0], [np.nan]])).ravel().tolist()
+    [0.0, 1.0, nan]
+    """
+
+    def __init__(self, feature_range=(0, 1), *, copy=True, clip=False):
+        self.feature_range = feature_range
+        self.copy = copy
+        self.clip = clip
+
+    def _reset(self):
+        for name in ("n_samples_seen_", "data_min_", "data_max_", "data_range_", "scale_", "min_"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+    def _range_bounds(self):
+        fr = self.feature_range
+        ok = (isinstance(fr, (tuple, list)) and len(fr) == 2
+              and all(isinstance(v, numbers.Real) and np.isfinite(v) for v in fr))
+        if not ok:
+            raise ValueError(
+                f"feature_range must be a tuple (lo, hi) of two finite numbers; got {fr!r}. "
+                "Pass e.g. feature_range=(0, 1)."
+            )
+        lo, hi = float(fr[0]), float(fr[1])
+        if not lo < hi:
+            raise ValueError(
+                f"Minimum of desired feature range must be smaller than maximum. Got {fr!r}; "
+                "swap the bounds."
+            )
+        return lo, hi
+
+    def fit(self, X, y=None):
+        """Compute the per-feature minimum and maximum of ``X``."""
+        self._reset()
+        return self.partial_fit(X, y)
+
+    def partial_fit(self, X, y=None):
+        """Merge the minimum and maximum of the batch ``X`` into those seen so far."""
+        self._range_bounds()
+        if _is_dask(X):
+            from normkit.dask import partial_fit
+
+            return partial_fit(self, X, None)
+        first = not hasattr(self, "n_samples_seen_")
+        X = _validate(self, X, reset=first)
+        self._update_range(_kernels.column_range(X), X.shape[0], "fit")
+        return self
+
+    def _update_range(self, new: Range, n_rows: int, where: str):
+        empty = np.isnan(new.min)
+        bad = ~empty & ~(np.isfinite(new.min) & np.isfinite(new.max))
+        if bad.any():
+            _raise_inf(self, int(bad.sum()), f"{where} (features {np.flatnonzero(bad).tolist()})")
+        if hasattr(self, "n_samples_seen_"):
+            new = Range(self.data_min_, self.data_max_).merge(new)
+            n_rows = n_rows + self.n_samples_seen_
+        self.n_samples_seen_ = int(n_rows)
+        self.data_min_ = np.asarray(new.min, dtype=np.float64)
+        self.data_max_ = np.asarray(new.max, dtype=np.float64)
+        self._set_attributes()
+
+    def _set_attributes(self):
+        lo, hi = self._range_bounds()
+        self.data_range_ = self.data_max_ - self.data_min_
+        magnitude = np.fmax(np.abs(self.data_min_), np.abs(self.data_max_))
+        constant = self.data_range_ <= 10 * _EPS * magnitude
+        self.scale_ = (hi - lo) / np.where(constant, 1.0, self.data_range_)
+        self.min_ = lo - self.data_min_ * self.scale_
+
+    def transform(self, X):
+        """``X * scale_ + min_`` (clipped to ``feature_range`` when ``clip``)."""
+        check_is_fitted(self)
+        if _is_dask(X):
+            from normkit.dask import transform
+
+            return transform(self, X, inverse=False)
+        X = _validate(self, X, reset=False, in_place=not self.copy)
+        out = _out_array(self, X, self.copy)
+        clip = self._range_bounds() if self.clip else None
+        n_inf = _kernels.multiply_add(X, self.scale_, self.min_, out, clip=clip)
+        if n_inf:
+            _raise_inf(self, n_inf, "transform")
+        return out
+
+    def inverse_transform(self, X):
+        """``(X - min_) / scale_``: back to the original units."""
+        check_is_fitted(self)
+        if _is_dask(X):
+            from normkit.dask import transform
+
+            return transform(self, X, inverse=True)
+        X = _validate(self, X, reset=False, in_place=not self.copy)
+        out = _out_array(self, X, self.copy)
+        n_inf = _kernels.subtract_divide(X, self.min_, self.scale_, out)
+        if n_inf:
+            _raise_inf(self, n_inf, "inverse_transform")
+        return out
+
+    def _get_state(self):
+        return {
+            "n_samples_seen_": self.n_samples_seen_,
+            "data_min_": self.data_min_, "data_max_": self.data_max_,
+            "scale_": self.scale_, "min_": self.min_,
+        }
+
+    def _set_state(self, state, check):
+        self.n_samples_seen_ = int(state["n_samples_seen_"])
+        self.data_min_ = check("data_min_", state["data_min_"])
+        self.data_max_ = check("data_max_", state["data_max_"])
+        self._set_attributes()
+        return {"scale_": self.scale_, "min_": self.min_}
+
+
+def _along(X, axis, scaler):
+    if axis not in (0, 1):
+        raise ValueError(f"axis must be 0 (scale each column) or 1 (each row); got {axis!r}.")
+    X = np.asarray(X)
+    if X.ndim == 1:
+        return scaler.fit_transform(X.reshape(-1, 1)).ravel()
+    if axis == 0:
+        return scaler.fit_transform(X)
+    return scaler.fit_transform(X.T).T
+
+
+def standard_score(X, axis=0):
+    """Standard scores of ``X`` along ``axis``: ``(x - mean) / std`` per column (axis=0) or
+    per row (axis=1), NaN ignored, the biased std; the function twin of
+    :class:`StandardScaler` (``StandardScaler().fit_transform(X)`` for axis 0).
+
+    >>> standard_score([[1.0, 2.0], [3.0, 2.0]]).tolist()
+    [[-1.0, 0.0], [1.0, 0.0]]
+    """
+    return _along(X, axis, StandardScaler())
+
+
+def min_max_scale(X, feature_range=(0, 1), axis=0):
+    """Scale ``X`` to ``feature_range`` along ``axis`` by its minimum and maximum; the
+    function twin of :class:`MinMaxScaler`.
+
+    >>> min_max_scale([[1.0, 5.0], [3.0, 7.0]], feature_range=(-1, 1)).tolist()
+    [[-1.0, -1.0], [1.0, 1.0]]
+    """
+    return _along(X, axis, MinMaxScaler(feature_range=feature_range))
