@@ -55,6 +55,7 @@ __all__ = [
     "instance_norm_forward", "instance_norm_backward",
     "group_norm_forward", "group_norm_backward",
     "rms_norm_forward", "rms_norm_backward",
+    "batch_renorm_forward", "batch_renorm_backward",
 ]
 
 
@@ -221,3 +222,94 @@ layer_norm_backward = normalize_backward
 rms_norm_backward = normalize_backward
 instance_norm_backward = normalize_backward
 group_norm_backward = normalize_backward
+
+
+# ---------------------------------------------------------------------------------------
+# Batch Renormalization (Ioffe, 2017)
+# ---------------------------------------------------------------------------------------
+#
+# Forward, one channel over its n values (N and S):
+#
+#     mu_B  = mean(x),  sigma_B = sqrt(var_B + eps),  rstd = 1 / sigma_B
+#     sigma = sqrt(running_var + eps)
+#     r     = clip(sigma_B / sigma, 1/r_max, r_max)           stop-gradient: a constant
+#     d     = clip((mu_B - running_mean) / sigma, -d_max, d_max)   stop-gradient
+#     xhat  = (x - mu_B) * rstd
+#     y     = w * (xhat * r + d) + b
+#
+# Backward. With r and d constants, y is BatchNorm with the effective weight w * r and
+# bias w * d + b, so the BatchNorm gradient applies with dxhat = g * w * r. Writing
+# dxhat' = g * w (the plain BatchNorm one) and pulling the constant r out of both means:
+#
+#     dx = rstd * (r*dxhat' - mean(r*dxhat') - xhat * mean(r*dxhat' * xhat))
+#        = (r * rstd) * (dxhat'                    # term 1: direct path
+#                        - mean(dxhat')            # term 2: through mu_B
+#                        - xhat * mean(dxhat' * xhat))   # term 3: through sigma_B
+#
+# r and d do depend on mu_B and sigma_B, but stop-gradient drops those paths, as the
+# paper prescribes. The parameters see y = w * (xhat * r + d) + b directly:
+#
+#     dw = sum(g * (xhat * r + d)),  db = sum(g)
+#
+# In eval mode batch renormalization is BatchNorm with the running statistics.
+
+def batch_renorm_forward(x, running_mean, running_var, weight=None, bias=None, training=False,
+                         momentum=0.1, eps=1e-5, r_max=3.0, d_max=5.0):
+    """Batch renormalization over ``(N, C, *S)``; returns ``(y, cache)``.
+
+    Training: the cache holds ``r``, ``d`` and the updated running statistics
+    (``new_running_mean``, ``new_running_var``, variance stored unbiased). Eval: BatchNorm
+    with the running statistics.
+    """
+    if not training:
+        y, cache = batch_norm_forward(x, running_mean, running_var, weight, bias, False,
+                                      momentum, eps)
+        cache["renorm"] = False
+        return y, cache
+    x = _f64(x)
+    grouping = G.batch(x.shape)
+    c, n = x.shape[1], grouping.group_size
+    xv = x.reshape(grouping.view)                                     # N, C, S
+    mu_b = xv.mean(axis=(0, 2), keepdims=True)                        # 1, C, 1
+    var_b = ((xv - mu_b) ** 2).mean(axis=(0, 2), keepdims=True)       # 1, C, 1, biased
+    sigma_b = np.sqrt(var_b + eps)
+    rstd = 1.0 / sigma_b
+    rm = _f64(running_mean).reshape(1, c, 1)
+    sigma = np.sqrt(_f64(running_var).reshape(1, c, 1) + eps)
+    r = np.clip(sigma_b / sigma, 1.0 / r_max, r_max)                  # 1, C, 1
+    d = np.clip((mu_b - rm) / sigma, -d_max, d_max)                   # 1, C, 1
+    xhat = (xv - mu_b) * rstd                                         # N, C, S
+    z = xhat * r + d                                                  # renormalized
+    w, b = _param(weight, grouping), _param(bias, grouping)
+    y = z if w is None else z * w
+    if b is not None:
+        y = y + b
+    cache = dict(x=x, mean=mu_b, rstd=rstd, r=r, d=d, weight=w, has_bias=bias is not None,
+                 grouping=grouping, renorm=True,
+                 wshape=None if weight is None else np.shape(weight),
+                 bshape=None if bias is None else np.shape(bias))
+    cache["new_running_mean"] = (1 - momentum) * _f64(running_mean) + momentum * mu_b.reshape(c)
+    cache["new_running_var"] = ((1 - momentum) * _f64(running_var)
+                                + momentum * var_b.reshape(c) * n / max(n - 1, 1))
+    return y.reshape(x.shape), cache
+
+
+def batch_renorm_backward(dout, cache):
+    """Hand-derived gradients of ``batch_renorm_forward``: ``(dx, dweight, dbias)``."""
+    if not cache["renorm"]:
+        return normalize_backward(dout, cache)
+    g_ = cache["grouping"]
+    x, mean, rstd, r, d, w = (cache[k] for k in ("x", "mean", "rstd", "r", "d", "weight"))
+    xv = x.reshape(g_.view)
+    g = _f64(dout).reshape(g_.view)                                   # N, C, S
+    xhat = (xv - mean) * rstd                                         # recomputed
+    dxhat = g if w is None else g * w                                 # dxhat' = g * w
+    c2 = dxhat.mean(axis=(0, 2), keepdims=True)                       # term 2 (mean path)
+    c1 = (dxhat * xhat).mean(axis=(0, 2), keepdims=True)              # term 3 (variance path)
+    dx = (r * rstd) * (dxhat - c2 - xhat * c1)
+    dw = db = None
+    if w is not None:
+        dw = _sum_to(g * (xhat * r + d), cache["wshape"], g_)
+    if cache["has_bias"]:
+        db = _sum_to(g, cache["bshape"], g_)
+    return dx.reshape(x.shape), dw, db
