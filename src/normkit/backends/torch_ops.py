@@ -33,6 +33,9 @@ def compute_stats(xs, grouping, eps, center):
     ``rstd = rsqrt(var + eps)``. Without centering, mean is 0 and var is mean(x^2).
     """
     red = grouping.reduce
+    if xs.numel() == 0:  # an empty batch: nothing to normalize, no statistics to report
+        var = xs.new_zeros(grouping.stat_shape)
+        return var, var, torch.rsqrt(var + eps)
     if center:
         var, mean = torch.var_mean(xs, dim=red, correction=0, keepdim=True)
     else:

@@ -1,0 +1,285 @@
+"""normkit.nn layers against torch.nn: signatures, attributes, state_dicts, several training
+steps and eval, every flag combination, dtypes, layouts, errors and checkpoints."""
+
+import copy
+import inspect
+import itertools
+
+import pytest
+from conftest import assert_close
+
+torch = pytest.importorskip("torch")
+from torch import nn as tnn  # noqa: E402
+
+import normkit.nn as nknn  # noqa: E402
+
+NAMES = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d", "InstanceNorm2d",
+         "InstanceNorm3d", "LayerNorm", "GroupNorm", "RMSNorm"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_constructor_signature_is_torchs(name):
+    ours = inspect.signature(getattr(nknn, name).__init__).parameters
+    theirs = inspect.signature(getattr(tnn, name).__init__).parameters
+    assert list(ours) == list(theirs)
+    for key in theirs:
+        assert ours[key].kind == theirs[key].kind, key
+        assert ours[key].default == theirs[key].default, key
+
+
+def _flag_sets(name):
+    if name.startswith("BatchNorm"):
+        return [dict(affine=a, track_running_stats=t, bias=b, momentum=m)
+                for a, t, b, m in itertools.product([True, False], [True, False], [True, False],
+                                                    [0.1, None])
+                if a or b]
+    if name.startswith("InstanceNorm"):
+        return [dict(affine=a, track_running_stats=t, bias=b)
+                for a, t, b in itertools.product([True, False], [True, False], [True, False])
+                if a or b]
+    if name == "LayerNorm":
+        return [dict(elementwise_affine=a, bias=b) for a, b in
+                [(True, True), (True, False), (False, True)]]
+    if name == "GroupNorm":
+        return [dict(affine=a, bias=b) for a, b in [(True, True), (True, False), (False, True)]]
+    return [dict(elementwise_affine=a, eps=e) for a in (True, False) for e in (None, 1e-6)]
+
+
+# positional constructor arguments and input shapes (odd sizes, several ranks)
+SPECS = {
+    "BatchNorm1d": [((5,), (7, 5)), ((3,), (4, 3, 9))],
+    "BatchNorm2d": [((3,), (4, 3, 5, 7))],
+    "BatchNorm3d": [((2,), (3, 2, 3, 4, 5))],
+    "InstanceNorm1d": [((3,), (4, 3, 9))],
+    "InstanceNorm2d": [((3,), (2, 3, 5, 7))],
+    "InstanceNorm3d": [((2,), (2, 2, 3, 4, 5))],
+    "LayerNorm": [((13,), (3, 5, 13)), (([4, 6],), (2, 3, 4, 6)), ((1536,), (2, 1536))],
+    "GroupNorm": [((2, 6), (3, 6, 5, 4)), ((3, 3), (2, 3, 7)), ((1, 4), (2, 4))],
+    "RMSNorm": [((13,), (3, 5, 13)), (([4, 6],), (2, 3, 4, 6))],
+}
+CASES = [(name, args, shape, flags) for name in NAMES for args, shape in SPECS[name]
+         for flags in _flag_sets(name)]
+
+
+def _pair(name, args, flags, dtype=torch.float32):
+    torch.manual_seed(0)
+    theirs = getattr(tnn, name)(*args, **flags, dtype=dtype)
+    ours = getattr(nknn, name)(*args, **flags, dtype=dtype)
+    # random affine parameters so that they matter
+    with torch.no_grad():
+        for p_t, p_o in zip(theirs.parameters(), ours.parameters()):
+            p_t.copy_(torch.rand_like(p_t) + 0.5)
+            p_o.copy_(p_t)
+    return ours, theirs
+
+
+def _ids(case):
+    name, args, shape, flags = case
+    return f"{name}-{shape}-" + "-".join(f"{k}={v}" for k, v in flags.items())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_attributes_repr_and_state_dict_match(case):
+    name, args, _, flags = case
+    ours, theirs = _pair(name, args, flags)
+    assert repr(ours) == repr(theirs)
+    so, st = ours.state_dict(), theirs.state_dict()
+    assert list(so) == list(st)
+    for k in st:
+        assert so[k].dtype == st[k].dtype and so[k].shape == st[k].shape, k
+    for attr in ("num_features", "eps", "momentum", "affine", "track_running_stats",
+                 "normalized_shape", "elementwise_affine", "num_groups", "num_channels"):
+        if hasattr(theirs, attr):
+            assert getattr(ours, attr) == getattr(theirs, attr), attr
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    assert [n for n, _ in ours.named_buffers()] == [n for n, _ in theirs.named_buffers()]
+    assert type(ours)._version == type(theirs)._version
+
+
+def _steps(ours, theirs, shape, dtype, steps=3, memory_format=None):
+    """Train both for a few steps, then eval; compare outputs, grads and buffers."""
+    for step in range(steps + 1):
+        training = step < steps
+        ours.train(training)
+        theirs.train(training)
+        g = torch.Generator().manual_seed(step)
+        x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 1).to(dtype)
+        if memory_format is not None:
+            x = x.to(memory_format=memory_format)
+        xo, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yo, yt = ours(xo), theirs(xt)
+        assert yo.dtype == yt.dtype and yo.shape == yt.shape
+        assert_close(yo, yt, dtype, msg=f"output, step {step}")
+        up = torch.randn(yt.shape, generator=g, dtype=torch.float64).to(dtype)
+        yo.backward(up)
+        yt.backward(up)
+        assert_close(xo.grad, xt.grad, dtype, grad=True, msg=f"input grad, step {step}")
+        for (n, po), (_, pt) in zip(ours.named_parameters(), theirs.named_parameters()):
+            assert_close(po.grad, pt.grad, dtype, grad=True, msg=f"{n}.grad, step {step}")
+            po.grad = pt.grad = None
+        for (n, bo), (_, bt) in zip(ours.named_buffers(), theirs.named_buffers()):
+            if bt.dtype == torch.long:
+                assert torch.equal(bo, bt), n
+            else:
+                assert_close(bo, bt, dtype, msg=f"{n}, step {step}")
+    return yo
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_training_steps_then_eval_match_torch(case):
+    name, args, shape, flags = case
+    ours, theirs = _pair(name, args, flags, torch.float64)
+    _steps(ours, theirs, shape, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", NAMES)
+def test_dtypes_match_torch(name, dtype):
+    args, shape = SPECS[name][0]
+    flags = _flag_sets(name)[0]
+    ours, theirs = _pair(name, args, flags, dtype)
+    _steps(ours, theirs, shape, dtype, steps=2)
+
+
+@pytest.mark.parametrize("name", ["BatchNorm2d", "InstanceNorm2d", "GroupNorm"])
+def test_channels_last_keeps_memory_format(name):
+    args = {"GroupNorm": (2, 4)}.get(name, (4,))
+    flags = {"InstanceNorm2d": dict(affine=True, track_running_stats=True)}.get(name, {})
+    ours, theirs = _pair(name, args, flags)
+    y = _steps(ours, theirs, (3, 4, 5, 6), torch.float32, steps=2,
+               memory_format=torch.channels_last)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("name,shape", [("InstanceNorm1d", (3, 9)), ("InstanceNorm2d", (3, 4, 5)),
+                                        ("InstanceNorm3d", (3, 2, 4, 5))])
+def test_instance_norm_without_batch_dim(name, shape):
+    ours, theirs = _pair(name, (3,), dict(affine=True, track_running_stats=True))
+    _steps(ours, theirs, shape, torch.float32, steps=2)
+
+
+@pytest.mark.parametrize("name,args,shape", [("BatchNorm2d", (3,), (0, 3, 4, 4)),
+                                             ("BatchNorm1d", (3,), (0, 3)),
+                                             ("LayerNorm", (5,), (0, 5)),
+                                             ("GroupNorm", (1, 3), (0, 3, 4)),
+                                             ("InstanceNorm1d", (3,), (0, 3, 4))])
+def test_zero_size_batch(name, args, shape):
+    ours, theirs = _pair(name, args, {})
+    _steps(ours, theirs, shape, torch.float32, steps=1)
+
+
+def test_momentum_none_is_cumulative_average():
+    ours = nknn.BatchNorm1d(2, momentum=None, dtype=torch.float64)
+    xs = [torch.randn(6, 2, dtype=torch.float64) + i for i in range(4)]
+    for x in xs:
+        ours(x)
+    means = torch.stack([x.mean(0) for x in xs]).mean(0)
+    torch.testing.assert_close(ours.running_mean, means)
+    assert int(ours.num_batches_tracked) == 4
+
+
+# --- errors -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make,call,err", [
+    (lambda m: m.BatchNorm1d(3), lambda layer: layer(torch.randn(1, 3)), ValueError),
+    (lambda m: m.BatchNorm2d(3), lambda layer: layer(torch.randn(1, 3, 1, 1)), ValueError),
+    (lambda m: m.BatchNorm2d(3), lambda layer: layer(torch.randn(2, 3)), ValueError),
+    (lambda m: m.BatchNorm1d(3), lambda layer: layer(torch.randn(2, 3, 4, 5)), ValueError),
+    (lambda m: m.InstanceNorm2d(3), lambda layer: layer(torch.randn(3, 4)), ValueError),
+    (lambda m: m.InstanceNorm1d(3, affine=True), lambda layer: layer(torch.randn(2, 4, 5)),
+     ValueError),
+    (lambda m: m.LayerNorm(5), lambda layer: layer(torch.randn(3, 4)), RuntimeError),
+    (lambda m: m.RMSNorm([2, 5]), lambda layer: layer(torch.randn(3, 5)), RuntimeError),
+    (lambda m: m.GroupNorm(2, 4), lambda layer: layer(torch.randn(4)), RuntimeError),
+    (lambda m: m.GroupNorm(2, 4), lambda layer: layer(torch.randn(2, 6, 3)), RuntimeError),
+])
+def test_errors_have_torchs_types(make, call, err):
+    for lib in (tnn, nknn):
+        layer = make(lib)
+        with pytest.raises(err):
+            call(layer)
+
+
+def test_error_messages_say_what_and_how():
+    with pytest.raises(ValueError, match=r"num_channels \(4\).*num_groups \(3\).*\[1, 2, 4\]"):
+        nknn.GroupNorm(3, 4)
+    with pytest.raises(ValueError, match="larger batch.*GroupNorm"):
+        nknn.BatchNorm1d(3)(torch.randn(1, 3))
+    with pytest.raises(RuntimeError, match=r"normalized_shape=\[5\].*\[3, 4\]"):
+        nknn.LayerNorm(5)(torch.randn(3, 4))
+    with pytest.raises(ValueError, match="expected 4D input \\(got 2D"):
+        nknn.BatchNorm2d(3)(torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("make", [lambda e: nknn.BatchNorm2d(3, eps=e),
+                                  lambda e: nknn.LayerNorm(3, eps=e),
+                                  lambda e: nknn.GroupNorm(1, 3, eps=e),
+                                  lambda e: nknn.InstanceNorm1d(3, eps=e),
+                                  lambda e: nknn.RMSNorm(3, eps=e)])
+@pytest.mark.parametrize("eps", [0, -1e-5, float("nan")])
+def test_non_positive_eps_is_refused(make, eps):
+    with pytest.raises(ValueError, match="eps must be a positive"):
+        make(eps)
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_dict_round_trip(name):
+    args, shape = SPECS[name][0]
+    flags = {"InstanceNorm": dict(affine=True, track_running_stats=True)}.get(name[:12], {})
+    theirs = getattr(tnn, name)(*args, **flags)
+    theirs.train()
+    theirs(torch.randn(shape) * 3 + 1)  # move the running statistics off their defaults
+    ours = getattr(nknn, name)(*args, **flags)
+    ours.load_state_dict(theirs.state_dict())
+    back = getattr(tnn, name)(*args, **flags)
+    back.load_state_dict(ours.state_dict())
+    for k, v in theirs.state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v) and torch.equal(back.state_dict()[k], v), k
+    ours.eval(), theirs.eval()
+    x = torch.randn(shape)
+    torch.testing.assert_close(ours(x), theirs(x))
+
+
+def test_old_checkpoint_without_num_batches_tracked_loads():
+    theirs = tnn.BatchNorm2d(3)
+    sd = theirs.state_dict()
+    del sd["num_batches_tracked"]
+    sd._metadata[""]["version"] = 1  # written before num_batches_tracked existed
+    for lib in (tnn, nknn):
+        layer = lib.BatchNorm2d(3)
+        layer.load_state_dict(sd)  # strict: would fail without the version fix-up
+        assert int(layer.num_batches_tracked) == 0
+
+
+def test_pre_0_4_instance_norm_checkpoint_is_reported():
+    sd = tnn.InstanceNorm2d(3, track_running_stats=True).state_dict()
+    sd._metadata[""]["version"] = None
+    for lib in (tnn, nknn):
+        with pytest.raises(RuntimeError, match="running stats"):
+            lib.InstanceNorm2d(3).load_state_dict(sd)
+
+
+def test_deepcopy_and_reset_parameters():
+    m = nknn.BatchNorm1d(4)
+    m(torch.randn(8, 4) + 5)
+    c = copy.deepcopy(m)
+    assert torch.equal(c.running_mean, m.running_mean)
+    c.reset_parameters()
+    assert torch.equal(c.running_mean, torch.zeros(4)) and int(c.num_batches_tracked) == 0
+
+
+# --- the worked example of the source articles ----------------------------------------------
+
+def test_source_articles_layer_norm_example():
+    x = torch.tensor([[[49, 90, 29, 76, 33], [86, 42, 20, 56, 79], [40, 49, 72, 16, 85]],
+                      [[44, 62, 14, 46, 5], [22, 45, 8, 47, 78], [96, 17, 7, 56, 60]]],
+                     dtype=torch.float32)
+    expected = torch.tensor(
+        [[[-0.2675, 1.4464, -1.1036, 0.8611, -0.9364], [1.2167, -0.6042, -1.5147, -0.0248, 0.9270],
+          [-0.5116, -0.1403, 0.8087, -1.5018, 1.3450]],
+         [[0.4601, 1.3051, -0.9483, 0.5539, -1.3708], [-0.7518, 0.2088, -1.3366, 0.2924, 1.5872],
+          [1.5204, -0.9409, -1.2525, 0.2742, 0.3988]]])
+    y = nknn.LayerNorm(5)(x)
+    assert torch.equal(y.detach().round(decimals=4), expected)
