@@ -1,0 +1,629 @@
+"""Fused CPU kernels (numba): the fast path of every normalization on CPU.
+
+Same interface as ``normkit.backends.torch_ops`` (``supports``, ``forward``,
+``backward``); the dispatch in ``normkit.backends`` tries this module first and skips it
+when numba (the ``fast`` extra) is missing.
+
+Memory is shared with torch, never copied: a detached CPU tensor's ``.numpy()`` is a view
+of its storage. Half-precision inputs are viewed as 16-bit integers and converted in
+registers -- bfloat16 as ``uint16`` (the top half of a float32), float16 as ``int16``
+(converted by the F16C instructions LLVM emits for ``fpext``/``fptrunc``) -- so every
+kernel exists in four versions: float64, float32, bfloat16, float16. Statistics are
+float32 (float64 for float64 inputs), merged across blocks in float64.
+
+Kernel families, each one parallel loop (``numba.prange``) over independent work:
+
+``_rows_*``   LayerNorm / RMSNorm on a contiguous (M, K) view: one row per iteration.
+              Forward: two passes over the row (mean, then squared deviations) while it
+              sits in L1, a third writes y. Backward: rows split in one chunk per thread,
+              each chunk keeping its own partial dweight/dbias, summed afterwards.
+``_units_*``  Batch/Instance/GroupNorm on contiguous NCHW, viewed (N, C, S): one *unit*
+              (the set of (n, c) planes sharing a statistic: a channel for BatchNorm, a
+              (sample, group) for GroupNorm, a plane for InstanceNorm) per iteration.
+              Each plane's moments come from a two-pass over the plane, merged across
+              planes by Chan's formula; the unit is then normalized while still in L2,
+              so x is read from memory once.
+``_cl_*``     the same three on channels_last, viewed (N, S, C): rows of C channels.
+              Per-(n, c) moments over blocks of rows (two-pass inside the block, Chan
+              merge across blocks), merged into the grouping's statistics in float64 by
+              ``_merge``, then one pass applies per-(n, c) coefficients.
+
+Backward everywhere: with ``dxhat = g * w``, ``c1 = mean(dxhat * xhat)`` and
+``c2 = mean(dxhat)`` over the group (``c2 = 0`` without centering, both 0 for fixed
+statistics), ``dx = rstd * (dxhat - c2 - xhat * c1)``; ``xhat`` is recomputed from the
+saved x, mean and rstd. ``dweight = sum(g * xhat)`` and ``dbias = sum(g)`` are written
+per thread or per (n, c) plane and reduced afterwards, so no two iterations write the
+same memory.
+
+Compiled kernels are cached on disk (``cache=True``, in ``__pycache__`` next to this
+file or ``NUMBA_CACHE_DIR``); see ``docs/performance.md`` for the first-call cost.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange
+from numba.core import types as nbt
+from numba.extending import intrinsic, overload, register_jitable
+
+from normkit.backends.torch_ops import stat_dtype
+
+# reassociation lets LLVM vectorize the reductions; no nnan/ninf, so NaN and inf propagate
+_FM = {"reassoc", "contract", "nsz", "arcp"}
+_JIT = dict(parallel=True, cache=True, fastmath=_FM, nogil=True)
+
+# storage dtype seen by the kernels for each torch dtype
+_STORAGE = {
+    torch.float64: torch.float64,
+    torch.float32: torch.float32,
+    torch.bfloat16: torch.uint16,
+    torch.float16: torch.int16,
+}
+_KINDS = ("layer", "batch", "instance", "group")
+_BLOCK_BYTES = 64 * 1024  # channels_last: rows of C per two-pass block (stays in L2)
+
+
+# ---------------------------------------------------------------------------------------
+# half precision in registers
+# ---------------------------------------------------------------------------------------
+
+@intrinsic
+def _bf16_to_f32(typingctx, h):
+    """uint16 bits of a bfloat16 -> float32 (the bits are the float32's top half)."""
+    def codegen(context, builder, sig, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+    return nbt.float32(h), codegen
+
+
+@intrinsic
+def _f32_to_bf16(typingctx, f):
+    """float32 -> uint16 bits of a bfloat16, rounded to nearest even; NaN -> 0x7FC0."""
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        rounded = builder.add(bits, builder.add(lsb, ir.Constant(i32, 0x7FFF)))
+        hi = builder.trunc(builder.lshr(rounded, ir.Constant(i32, 16)), ir.IntType(16))
+        isnan = builder.fcmp_unordered("uno", args[0], args[0])
+        return builder.select(isnan, ir.Constant(ir.IntType(16), 0x7FC0), hi)
+    return nbt.uint16(nbt.float32), codegen
+
+
+@intrinsic
+def _f16_to_f32(typingctx, h):
+    """int16 bits of a float16 -> float32."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return nbt.float32(h), codegen
+
+
+@intrinsic
+def _f32_to_f16(typingctx, f):
+    """float32 -> int16 bits of a float16, rounded to nearest even."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return nbt.int16(nbt.float32), codegen
+
+
+def _ld(a, i):
+    """``a[i]`` as the compute type (float32, float64 for float64 storage)."""
+
+
+def _st(a, i, v):
+    """``a[i] = v`` converted to the storage type."""
+
+
+def _as(a, v):
+    """``v`` as the dtype of the float array ``a``."""
+
+
+@overload(_ld)
+def _ld_impl(a, i):
+    if a.dtype == nbt.uint16:
+        return lambda a, i: _bf16_to_f32(a[i])
+    if a.dtype == nbt.int16:
+        return lambda a, i: _f16_to_f32(a[i])
+    return lambda a, i: a[i]
+
+
+@overload(_st)
+def _st_impl(a, i, v):
+    if a.dtype == nbt.uint16:
+        def st_bf16(a, i, v):
+            a[i] = _f32_to_bf16(np.float32(v))
+        return st_bf16
+    if a.dtype == nbt.int16:
+        def st_f16(a, i, v):
+            a[i] = _f32_to_f16(np.float32(v))
+        return st_f16
+
+    def st(a, i, v):
+        a[i] = v
+    return st
+
+
+@overload(_as)
+def _as_impl(a, v):
+    if a.dtype == nbt.float64:
+        return lambda a, v: np.float64(v)
+    return lambda a, v: np.float32(v)
+
+
+@register_jitable
+def _plane(u, j, groups, cg, by_channel):
+    """(n, c) of the j-th plane of unit u (NCHW kernels)."""
+    u, j = np.intp(u), np.intp(j)                      # the prange index may be unsigned
+    if by_channel:
+        return j, u
+    return u // groups, (u % groups) * cg + j
+
+
+# ---------------------------------------------------------------------------------------
+# LayerNorm / RMSNorm: rows of a contiguous (M, K) view
+# ---------------------------------------------------------------------------------------
+
+@njit(**_JIT)
+def _rows_fwd(x, y, w, b, eps, center, mean, rstd, var):
+    """y = (x - mean) * rstd * w + b per row; mean = 0 and var = mean(x**2) without
+    centering. x, y: (M, K) storage; w, b: (K,) stat dtype; mean, rstd, var: (M,)."""
+    m, k = x.shape
+    inv_k = _as(mean, 1.0 / k)
+    for r in prange(m):
+        xr = x[r]                                                  # K
+        yr = y[r]                                                  # K
+        mu = _as(mean, 0.0)
+        if center:
+            s = _as(mean, 0.0)
+            for i in range(k):
+                s += _ld(xr, i)
+            mu = s * inv_k
+        q = _as(mean, 0.0)
+        for i in range(k):                                         # second pass, from L1
+            d = _ld(xr, i) - mu
+            q += d * d
+        v = q * inv_k
+        rs = _as(mean, 1.0 / math.sqrt(v + eps))
+        mean[r] = mu
+        rstd[r] = rs
+        var[r] = v
+        for i in range(k):
+            _st(yr, i, (_ld(xr, i) - mu) * (rs * w[i]) + b[i])
+
+
+@njit(**_JIT)
+def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp):
+    """dx = rstd * (g*w - c2 - xhat*c1) per row, c1 = mean(g*w*xhat), c2 = mean(g*w);
+    dwp[t], dbp[t]: thread chunk t's partial sums of g*xhat and g (zero on entry)."""
+    m, k = x.shape
+    nt = dwp.shape[0]
+    chunk = (m + nt - 1) // nt
+    inv_k = _as(mean, 1.0 / k)
+    for t in prange(nt):
+        dwt = dwp[t]                                               # K
+        dbt = dbp[t]                                               # K
+        for r in range(t * chunk, min(m, (t + 1) * chunk)):
+            xr, gr, dxr = x[r], g[r], dx[r]                        # K each
+            mu, rs = mean[r], rstd[r]
+            c1 = _as(mean, 0.0)
+            c2 = _as(mean, 0.0)
+            for i in range(k):
+                gi = _ld(gr, i)
+                xh = (_ld(xr, i) - mu) * rs
+                dxh = gi * w[i]
+                c1 += dxh * xh
+                c2 += dxh
+                dwt[i] += gi * xh
+                dbt[i] += gi
+            c1 *= inv_k
+            c2 = c2 * inv_k if center else _as(mean, 0.0)
+            for i in range(k):                                     # x, g rows from L1
+                xh = (_ld(xr, i) - mu) * rs
+                _st(dxr, i, (_ld(gr, i) * w[i] - c2 - xh * c1) * rs)
+
+
+# ---------------------------------------------------------------------------------------
+# Batch/Instance/GroupNorm on contiguous NCHW, viewed (N, C, S)
+# ---------------------------------------------------------------------------------------
+
+@njit(**_JIT)
+def _units_fwd(x, y, w, b, eps, groups, by_channel, fixed, mean, rstd, var):
+    """Normalize each unit (planes sharing a statistic) of x: (N, C, S). Units: channels
+    (by_channel, BatchNorm) or (sample, group) with C/groups planes each. mean, rstd,
+    var: (U,), read (fixed) or written."""
+    n_, c_, s_ = x.shape
+    cg = c_ // groups
+    nu = c_ if by_channel else n_ * groups
+    nb = n_ if by_channel else cg
+    inv_s = _as(mean, 1.0 / s_)
+    for u in prange(nu):
+        if fixed:
+            mu, rs = mean[u], rstd[u]
+        else:
+            cnt, mu64, m2 = 0.0, 0.0, 0.0                          # float64 merge
+            for j in range(nb):
+                n, c = _plane(u, j, groups, cg, by_channel)
+                xb = x[n, c]                                       # S
+                s = _as(mean, 0.0)
+                for i in range(s_):
+                    s += _ld(xb, i)
+                bm = s * inv_s
+                q = _as(mean, 0.0)
+                for i in range(s_):                                # from L1
+                    d = _ld(xb, i) - bm
+                    q += d * d
+                tot = cnt + s_                                     # Chan merge
+                delta = bm - mu64
+                mu64 += delta * s_ / tot
+                m2 += q + delta * delta * cnt * s_ / tot
+                cnt = tot
+            v = m2 / cnt
+            mu = _as(mean, mu64)
+            rs = _as(mean, 1.0 / math.sqrt(v + eps))
+            mean[u], rstd[u], var[u] = mu, rs, v
+        for j in range(nb):                                        # unit still in L2
+            n, c = _plane(u, j, groups, cg, by_channel)
+            xb, yb = x[n, c], y[n, c]                              # S
+            sc, sh = rs * w[c], b[c]
+            for i in range(s_):
+                _st(yb, i, (_ld(xb, i) - mu) * sc + sh)
+
+
+@njit(**_JIT)
+def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, sgx):
+    """dx of each unit of x: (N, C, S); sg[n, c] = sum(g), sgx[n, c] = sum(g * xhat)
+    over each plane (dbias and dweight before the sum over n)."""
+    n_, c_, s_ = x.shape
+    cg = c_ // groups
+    nu = c_ if by_channel else n_ * groups
+    nb = n_ if by_channel else cg
+    for u in prange(nu):
+        mu, rs = mean[u], rstd[u]
+        c1, c2 = 0.0, 0.0
+        for j in range(nb):
+            n, c = _plane(u, j, groups, cg, by_channel)
+            xb, gb = x[n, c], g[n, c]                              # S
+            a = _as(mean, 0.0)
+            q = _as(mean, 0.0)
+            for i in range(s_):
+                gi = _ld(gb, i)
+                a += gi
+                q += gi * ((_ld(xb, i) - mu) * rs)
+            sg[n, c], sgx[n, c] = a, q
+            c1 += w[c] * q
+            c2 += w[c] * a
+        cnt = nb * s_
+        k1 = _as(mean, 0.0 if fixed else c1 / cnt)
+        k2 = _as(mean, c2 / cnt if center and not fixed else 0.0)
+        for j in range(nb):
+            n, c = _plane(u, j, groups, cg, by_channel)
+            xb, gb, dxb = x[n, c], g[n, c], dx[n, c]               # S
+            wc = w[c]
+            for i in range(s_):
+                xh = (_ld(xb, i) - mu) * rs
+                _st(dxb, i, (_ld(gb, i) * wc - k2 - xh * k1) * rs)
+
+
+# ---------------------------------------------------------------------------------------
+# the same on channels_last, viewed (N, S, C)
+# ---------------------------------------------------------------------------------------
+
+@njit(**_JIT)
+def _cl_moments(x, parts, rb, pmean, pm2):
+    """Per-(n, c) mean and M2 of x: (N, S, C) over each of ``parts`` ranges of S (a
+    two-pass over blocks of rb rows, Chan-merged in float64). pmean, pm2: (N, parts, C)
+    float64; range p holds the rows [p*len, (p+1)*len) with len = ceil(S / parts)."""
+    n_, s_, c_ = x.shape
+    plen = (s_ + parts - 1) // parts
+    for t in prange(n_ * parts):
+        n, p = np.intp(t) // parts, np.intp(t) % parts
+        am, a2 = pmean[n, p], pm2[n, p]                            # C, float64
+        am[:] = 0.0
+        a2[:] = 0.0
+        bm = np.empty(c_)                                          # float64
+        bs = np.empty(c_)
+        cnt = 0.0
+        s_end = min(s_, (p + 1) * plen)
+        for s0 in range(p * plen, s_end, rb):
+            s1 = min(s_end, s0 + rb)
+            nbk = s1 - s0
+            bs[:] = 0.0
+            for s in range(s0, s1):
+                xr = x[n, s]                                       # C
+                for c in range(c_):
+                    bs[c] += _ld(xr, c)
+            for c in range(c_):
+                bm[c] = bs[c] / nbk
+                bs[c] = 0.0
+            for s in range(s0, s1):                                # block from L2
+                xr = x[n, s]
+                for c in range(c_):
+                    d = _ld(xr, c) - bm[c]
+                    bs[c] += d * d
+            tot = cnt + nbk                                        # Chan merge
+            for c in range(c_):
+                delta = bm[c] - am[c]
+                am[c] += delta * nbk / tot
+                a2[c] += bs[c] + delta * delta * cnt * nbk / tot
+            cnt = tot
+
+
+@njit(**_JIT)
+def _cl_apply(x, y, parts, mu, sc, sh):
+    """y = (x - mu) * sc + sh with per-(n, c) coefficients (N, C); x, y: (N, S, C)."""
+    n_, s_, c_ = x.shape
+    plen = (s_ + parts - 1) // parts
+    for t in prange(n_ * parts):
+        n, p = np.intp(t) // parts, np.intp(t) % parts
+        mur, scr, shr = mu[n], sc[n], sh[n]                        # C
+        for s in range(p * plen, min(s_, (p + 1) * plen)):
+            xr, yr = x[n, s], y[n, s]                              # C
+            for c in range(c_):
+                _st(yr, c, (_ld(xr, c) - mur[c]) * scr[c] + shr[c])
+
+
+@njit(**_JIT)
+def _cl_bwd_sums(g, x, parts, mu, rs, psg, psgx):
+    """Per-(n, c) partial sums of g and g * xhat over each range of S; x, g: (N, S, C),
+    mu, rs: (N, C); psg, psgx: (N, parts, C) float64."""
+    n_, s_, c_ = x.shape
+    plen = (s_ + parts - 1) // parts
+    for t in prange(n_ * parts):
+        n, p = np.intp(t) // parts, np.intp(t) % parts
+        mur, rsr = mu[n], rs[n]                                    # C
+        a, q = psg[n, p], psgx[n, p]                               # C, float64
+        a[:] = 0.0
+        q[:] = 0.0
+        for s in range(p * plen, min(s_, (p + 1) * plen)):
+            xr, gr = x[n, s], g[n, s]                              # C
+            for c in range(c_):
+                gi = _ld(gr, c)
+                a[c] += gi
+                q[c] += gi * ((_ld(xr, c) - mur[c]) * rsr[c])
+
+
+@njit(**_JIT)
+def _cl_bwd_apply(g, x, dx, parts, mu, k1, k2, k3):
+    """dx = g * k1 - (x - mu) * k2 - k3 with per-(n, c) coefficients (N, C)."""
+    n_, s_, c_ = x.shape
+    plen = (s_ + parts - 1) // parts
+    for t in prange(n_ * parts):
+        n, p = np.intp(t) // parts, np.intp(t) % parts
+        mur, k1r, k2r, k3r = mu[n], k1[n], k2[n], k3[n]            # C
+        for s in range(p * plen, min(s_, (p + 1) * plen)):
+            xr, gr, dxr = x[n, s], g[n, s], dx[n, s]               # C
+            for c in range(c_):
+                _st(dxr, c, _ld(gr, c) * k1r[c] - (_ld(xr, c) - mur[c]) * k2r[c] - k3r[c])
+
+
+# ---------------------------------------------------------------------------------------
+# the backend interface
+# ---------------------------------------------------------------------------------------
+
+def _np(t):
+    """Zero-copy NumPy view of a CPU tensor's storage (16-bit floats as integers)."""
+    t = t.detach()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(_STORAGE[t.dtype])
+    return t.numpy()
+
+
+def _threads():
+    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    return n
+
+
+def _ncs(xv, grouping):
+    """The (N, C, S) view of a batch/instance/group view."""
+    v = grouping.view
+    return xv.view(v[0], v[1] * v[2], v[3]) if grouping.kind == "group" else xv
+
+
+def _layout(xv, grouping):
+    """``"rows"`` (contiguous (M, K)), ``"nchw"``, ``"cl"`` (channels_last) or None."""
+    if grouping.kind == "layer":
+        return "rows" if xv.is_contiguous() else None
+    x3 = _ncs(xv, grouping)
+    if x3.is_contiguous() and x3.shape[2] > 1:
+        return "nchw"
+    if x3.transpose(1, 2).is_contiguous():
+        return "cl"
+    return None
+
+
+def supports(x, grouping, center=True, fixed=False) -> bool:
+    if (x.device.type != "cpu" or x.dtype not in _STORAGE or grouping.kind not in _KINDS
+            or x.numel() == 0 or (fixed and grouping.kind in ("layer", "group"))
+            or (not center and grouping.kind != "layer")):
+        return False
+    try:
+        xv = x.view(grouping.view)
+    except RuntimeError:
+        return False
+    return _layout(xv, grouping) is not None
+
+
+def _params(weight, bias, n, sdtype):
+    w = torch.ones(n, dtype=sdtype) if weight is None else weight.detach().reshape(n).to(sdtype)
+    b = torch.zeros(n, dtype=sdtype) if bias is None else bias.detach().reshape(n).to(sdtype)
+    return w.contiguous(), b.contiguous()
+
+
+def _stats_nc(t, grouping, n, c):
+    """Statistics shaped ``grouping.stat_shape`` broadcast to per-(n, c) (N, C) arrays."""
+    if grouping.kind == "group":
+        g = grouping.view[1]
+        return t.reshape(n, g, 1).expand(n, g, c // g).reshape(n, c)
+    return t.reshape(-1, c).expand(n, c).contiguous()
+
+
+def _unit_stats(t_nc, by_channel):
+    """Per-unit statistics of the NCHW kernels from per-(n, c) ones: (C,) or (N * C,)."""
+    return (t_nc[0] if by_channel else t_nc.reshape(-1)).contiguous()
+
+
+def _merge(mean, m2, count, axes):
+    """Chan merge of moments over ``axes`` (NumPy, float64): every merged entry holds
+    ``count`` elements (count broadcasts). Returns (mean, M2) with axes kept."""
+    total = np.broadcast_to(count, mean.shape).sum(axis=axes, keepdims=True)
+    new_mean = (mean * count).sum(axis=axes, keepdims=True) / total
+    new_m2 = (m2 + count * (mean - new_mean) ** 2).sum(axis=axes, keepdims=True)
+    return new_mean, new_m2, total
+
+
+def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
+    nt = _threads()
+    sdtype = stat_dtype(x.dtype)
+    fixed = mean is not None
+    y = torch.empty_like(x)                                        # keeps channels_last
+    layout = _layout(x, grouping)
+    shape = grouping.stat_shape
+    if layout == "rows":
+        m, k = grouping.view
+        w, b = _params(weight, bias, k, sdtype)
+        mean, rstd, var = (torch.empty(m, dtype=sdtype) for _ in range(3))
+        _rows_fwd(_np(x), _np(y), _np(w), _np(b), float(eps), bool(center),
+                  _np(mean), _np(rstd), _np(var))
+        return y, mean.view(shape), rstd.view(shape), var.view(shape)
+
+    x3, y3 = _ncs(x, grouping), _ncs(y, grouping)
+    n, c, s = x3.shape
+    w, b = _params(weight, bias, c, sdtype)
+    groups = {"batch": c, "instance": c, "group": grouping.view[1]}[grouping.kind]
+    if layout == "nchw":
+        by_channel = grouping.kind == "batch"
+        units = c if by_channel else n * groups
+        if fixed:
+            mean_u = _stats_nc(mean.to(sdtype), grouping, n, c)
+            rstd_u = _stats_nc(rstd.to(sdtype), grouping, n, c)
+            mean_u, rstd_u = _unit_stats(mean_u, by_channel), _unit_stats(rstd_u, by_channel)
+            var_u = torch.empty(units, dtype=sdtype)
+        else:
+            mean_u, rstd_u, var_u = (torch.empty(units, dtype=sdtype) for _ in range(3))
+        _units_fwd(_np(x3), _np(y3), _np(w), _np(b), float(eps), groups, by_channel, fixed,
+                   _np(mean_u), _np(rstd_u), _np(var_u))
+        if fixed:
+            return y, mean, rstd, None
+        return y, mean_u.view(shape), rstd_u.view(shape), var_u.view(shape)
+
+    # channels_last: per-(n, c) moments, merged to the grouping's statistics in float64
+    xt, yt = _np(x3).transpose(0, 2, 1), _np(y3).transpose(0, 2, 1)   # N, S, C
+    parts = _parts(n, s, nt)
+    var = None
+    if fixed:
+        mean_nc = _np(_stats_nc(mean.to(sdtype), grouping, n, c)).astype(np.float64)
+        rstd_nc = _np(_stats_nc(rstd.to(sdtype), grouping, n, c)).astype(np.float64)
+    else:
+        pmean = np.empty((n, parts, c))
+        pm2 = np.empty((n, parts, c))
+        rb = max(1, _BLOCK_BYTES // (c * x.element_size()))
+        _cl_moments(xt, parts, rb, pmean, pm2)
+        plen = -(-s // parts)
+        count = np.clip(s - plen * np.arange(parts), 0, plen).reshape(1, parts, 1)
+        gmean, gm2, total = _merge(pmean, pm2, count.astype(np.float64), (1,))   # N,1,C
+        if grouping.kind == "batch":
+            gmean, gm2, total = _merge(gmean, gm2, total, (0,))                    # 1,1,C
+        elif grouping.kind == "group":
+            gv = (n, grouping.view[1], grouping.view[2])
+            gmean, gm2, total = _merge(gmean.reshape(gv), gm2.reshape(gv),
+                                       total.reshape(gv), (2,))                    # N,G,1
+        gvar = gm2 / total
+        grstd = 1.0 / np.sqrt(gvar + eps)
+        mean = torch.from_numpy(gmean.astype(_NP_STAT[sdtype])).view(shape)
+        rstd = torch.from_numpy(grstd.astype(_NP_STAT[sdtype])).view(shape)
+        var = torch.from_numpy(gvar.astype(_NP_STAT[sdtype])).view(shape)
+        mean_nc = _np(_stats_nc(mean, grouping, n, c)).astype(np.float64)
+        rstd_nc = _np(_stats_nc(rstd, grouping, n, c)).astype(np.float64)
+    sc = (rstd_nc * _np(w)).astype(_NP_STAT[sdtype])
+    sh = np.broadcast_to(_np(b), (n, c)).astype(_NP_STAT[sdtype])
+    _cl_apply(xt, yt, parts, mean_nc.astype(_NP_STAT[sdtype]), sc, sh)
+    return y, mean, rstd, var
+
+
+_NP_STAT = {torch.float64: np.float64, torch.float32: np.float32}
+
+
+def _parts(n, s, nt):
+    """Ranges of S per sample so that there are at least 2 work items per thread."""
+    return max(1, min(s, -(-2 * nt // n)))
+
+
+def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
+    nt = _threads()
+    sdtype = mean.dtype
+    layout = _layout(x, grouping)
+    if layout == "rows":
+        grad = grad.contiguous()
+        m, k = grouping.view
+        w, _ = _params(weight, None, k, sdtype)
+        dx = torch.empty_like(x)
+        dwp = np.zeros((nt, k), dtype=_NP_STAT[sdtype])
+        dbp = np.zeros((nt, k), dtype=_NP_STAT[sdtype])
+        _rows_bwd(_np(grad), _np(x), _np(w), _np(mean.reshape(m)), _np(rstd.reshape(m)),
+                  bool(center), _np(dx), dwp, dbp)
+        dw = torch.from_numpy(dwp.sum(0)).view(1, k) if needs[1] else None
+        db = torch.from_numpy(dbp.sum(0)).view(1, k) if needs[2] else None
+        return (dx if needs[0] else None), dw, db
+
+    x3 = _ncs(x, grouping)
+    n, c, s = x3.shape
+    pshape = grouping.param_view
+    w, _ = _params(weight, None, c, sdtype)
+    groups = {"batch": c, "instance": c, "group": grouping.view[1]}[grouping.kind]
+    if layout == "nchw":
+        g3 = grad.reshape(n, c, s).contiguous()
+        dx = torch.empty_like(x3)
+        by_channel = grouping.kind == "batch"
+        if grouping.kind == "group":
+            mean_u, rstd_u = mean.reshape(n * groups), rstd.reshape(n * groups)
+        else:
+            mean_u = _unit_stats(_stats_nc(mean, grouping, n, c), by_channel)
+            rstd_u = _unit_stats(_stats_nc(rstd, grouping, n, c), by_channel)
+        sg = np.empty((n, c), dtype=_NP_STAT[sdtype])
+        sgx = np.empty((n, c), dtype=_NP_STAT[sdtype])
+        _units_bwd(_np(g3), _np(x3), _np(w), _np(mean_u), _np(rstd_u), groups, by_channel,
+                   bool(center), bool(fixed), _np(dx), sg, sgx)
+        sg64, sgx64 = sg.astype(np.float64), sgx.astype(np.float64)
+    else:
+        g3 = grad.reshape(n, c, s)
+        if not g3.transpose(1, 2).is_contiguous():
+            g3 = g3.transpose(1, 2).contiguous().transpose(1, 2)
+        gt, xt = _np(g3).transpose(0, 2, 1), _np(x3).transpose(0, 2, 1)   # N, S, C
+        parts = _parts(n, s, nt)
+        mean_nc = _np(_stats_nc(mean, grouping, n, c))
+        rstd_nc = _np(_stats_nc(rstd, grouping, n, c))
+        psg = np.empty((n, parts, c))
+        psgx = np.empty((n, parts, c))
+        _cl_bwd_sums(gt, xt, parts, mean_nc, rstd_nc, psg, psgx)
+        sg64, sgx64 = psg.sum(1), psgx.sum(1)                                   # N, C
+        w64 = _np(w).astype(np.float64)
+        if fixed:
+            c1 = c2 = np.zeros((n, c))
+        else:
+            axes = {"batch": (0,), "instance": (), "group": (2,)}[grouping.kind]
+            gv = (n, groups, c // groups) if grouping.kind == "group" else (n, c)
+            cnt = grouping.group_size
+            c1 = np.broadcast_to((w64 * sgx64).reshape(gv).sum(axis=axes, keepdims=True)
+                                 / cnt, gv).reshape(n, c)
+            c2 = np.broadcast_to((w64 * sg64).reshape(gv).sum(axis=axes, keepdims=True)
+                                 / cnt, gv).reshape(n, c)
+            if not center:
+                c2 = np.zeros((n, c))
+        r64 = rstd_nc.astype(np.float64)
+        st = _NP_STAT[sdtype]
+        k1, k2, k3 = (r64 * w64).astype(st), (r64 * r64 * c1).astype(st), (r64 * c2).astype(st)
+        dx3 = torch.empty_like(x3)
+        _cl_bwd_apply(gt, xt, _np(dx3).transpose(0, 2, 1), parts, mean_nc, k1, k2, k3)
+        dx = dx3
+    dw = db = None
+    if needs[1]:
+        dw = torch.from_numpy(sgx64.reshape(n, c).sum(0).astype(_NP_STAT[sdtype])).view(pshape)
+    if needs[2]:
+        db = torch.from_numpy(sg64.reshape(n, c).sum(0).astype(_NP_STAT[sdtype])).view(pshape)
+    return (dx.view(grouping.view) if needs[0] else None), dw, db
