@@ -15,6 +15,9 @@ import sys
 # one line per subcommand module, in the order shown by --help
 SUBCOMMANDS = (
     "demo",
+    "bench",
+    "study",
+    "explain",
 )
 
 

@@ -1,0 +1,227 @@
+"""From the runs to the numbers and sentences of the report.
+
+``summarize`` turns the runs into means and standard deviations over seeds (sample
+standard deviation, ddof = 1; 0 for a single seed). ``findings`` turns those numbers into
+plain sentences, each comparing what this study measured with what the GroupNorm paper
+(Wu & He, 2018) reports, and saying when they disagree. Nothing here is canned: every
+number and every verdict comes from the summary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from normkit.study.model import METHODS
+
+__all__ = ["NAMES", "PAPER", "TARGET_LOSS", "summarize", "steps_to_target", "reference_batch",
+           "findings", "pct"]
+
+NAMES = {"none": "no normalization", "batch": "BatchNorm", "batchrenorm": "BatchRenorm",
+         "group": "GroupNorm", "layer": "LayerNorm", "instance": "InstanceNorm", "rms": "RMSNorm"}
+
+# Wu & He 2018, ResNet-50 on ImageNet, top-1 validation error (%) by images per GPU
+PAPER = {"batch": {32: 23.6, 16: 23.7, 8: 24.8, 4: 27.3, 2: 34.7},
+         "group": {32: 24.1, 16: 24.2, 8: 24.0, 4: 24.2, 2: 24.1}}
+
+TARGET_LOSS = 0.2  # training loss (cross-entropy) that "steps to reach" is measured against
+PER_SAMPLE = ("group", "layer", "instance", "rms")
+METRICS = ("test_error", "test_error_train_mode", "final_train_loss", "batch_dependence", "steps_to_target")
+
+
+def pct(v: float) -> str:
+    """A fraction as a percentage with two decimals."""
+    return f"{100 * v:.2f}"
+
+
+def steps_to_target(run: dict, target: float = TARGET_LOSS) -> float:
+    """First step at which the windowed training loss is at most ``target`` (nan: never)."""
+    for step, loss in zip(run["loss_curve"]["step"], run["loss_curve"]["loss"]):
+        if loss <= target:
+            return float(step)
+    return float("nan")
+
+
+def _stat(values):
+    a = np.asarray(values, dtype=np.float64)
+    finite = a[np.isfinite(a)]
+    if len(finite) == 0:
+        return {"mean": float("nan"), "std": float("nan"), "n": 0, "values": a.tolist()}
+    std = float(finite.std(ddof=1)) if len(finite) > 1 else 0.0
+    return {"mean": float(finite.mean()), "std": std, "n": int(len(finite)), "values": a.tolist()}
+
+
+def summarize(results: dict) -> dict:
+    """``summary[method][str(batch)][metric] = {mean, std, n, values}`` over seeds, for the
+    grid named in the protocol."""
+    p = results["protocol"]
+    wanted = {(m, b, s) for m in p["methods"] for b in p["batch_sizes"] for s in p["seeds"]}
+    summary = {}
+    for m in p["methods"]:
+        summary[m] = {}
+        for b in p["batch_sizes"]:
+            runs = [r for r in results["runs"] if (r["method"], r["batch_size"], r["seed"]) in wanted
+                    and r["method"] == m and r["batch_size"] == b]
+            if not runs:
+                continue
+            cell = {k: _stat([r[k] for r in runs]) for k in METRICS if k != "steps_to_target"}
+            cell["steps_to_target"] = _stat([steps_to_target(r) for r in runs])
+            cell["diverged"] = int(sum(r["diverged"] for r in runs))
+            cell["steps"] = int(runs[0]["steps"])
+            cell["lr"] = float(runs[0]["lr"])
+            summary[m][str(b)] = cell
+    return summary
+
+
+def reference_batch(batch_sizes) -> int:
+    """Batch size used for the loss curves: 32 (the paper's) if present, else the largest
+    one below it, else the smallest."""
+    below = [b for b in batch_sizes if b <= 32]
+    return max(below) if below else min(batch_sizes)
+
+
+def _se(cell, metric):
+    """Standard error of a cell's mean."""
+    s = cell[metric]
+    return s["std"] / math.sqrt(s["n"]) if s["n"] > 1 else 0.0
+
+
+def _differs(a, b, metric="test_error"):
+    """Is mean(a) - mean(b) larger than twice its standard error (and than 0.3 points)?"""
+    d = a[metric]["mean"] - b[metric]["mean"]
+    se = math.sqrt(_se(a, metric) ** 2 + _se(b, metric) ** 2)
+    return abs(d) > max(2 * se, 0.003), d
+
+
+def _err(cell):
+    s = cell["test_error"]
+    return f"{pct(s['mean'])} ± {pct(s['std'])} %"
+
+
+def findings(results: dict, summary: dict) -> list:
+    """Plain sentences, computed from ``summary``; each claim of the source articles / the
+    GroupNorm paper gets a verdict: seen here, or not."""
+    p = results["protocol"]
+    bs = sorted(p["batch_sizes"])
+    small, large = bs[0], bs[-1]
+    ref = reference_batch(bs)
+    out = []
+    name = lambda m: NAMES.get(m, m)  # noqa: E731
+    have = lambda m: m in summary and all(str(b) in summary[m] for b in bs)  # noqa: E731
+
+    # 1. BatchNorm as the batch shrinks
+    if have("batch") and small != large:
+        a, b = summary["batch"][str(small)], summary["batch"][str(ref if ref != small else large)]
+        big = ref if ref != small else large
+        sig, d = _differs(a, b)
+        paper = ""
+        if small in PAPER["batch"] and big in PAPER["batch"]:
+            paper = (f" The paper reports {PAPER['batch'][big]} % at {big} and {PAPER['batch'][small]} % at "
+                     f"{small} images per GPU (+{PAPER['batch'][small] - PAPER['batch'][big]:.1f} points).")
+        verdict = ("BatchNorm's test error rises as the batch shrinks, as the paper says"
+                   if sig and d > 0 else
+                   "BatchNorm's test error does NOT clearly rise as the batch shrinks here, unlike in the paper"
+                   if not sig else
+                   "BatchNorm's test error is LOWER at the small batch here, the opposite of the paper")
+        out.append(f"{verdict}: {_err(a)} at batch {small} against {_err(b)} at batch {big} "
+                   f"({100 * d:+.2f} points).{paper}")
+        la, lb = a["final_train_loss"]["mean"], b["final_train_loss"]["mean"]
+        out.append(f"BatchNorm's final training loss is {la:.3f} at batch {small} and {lb:.3f} at batch {big}: "
+                   + ("the noisy statistics of small batches make it fit the training set worse."
+                      if la > 1.5 * lb else "training itself is not visibly hurt by small batches here."))
+
+    # 2. GroupNorm's stability against BatchNorm's spread
+    if have("group") and have("batch"):
+        g = [summary["group"][str(b)]["test_error"]["mean"] for b in bs]
+        bn = [summary["batch"][str(b)]["test_error"]["mean"] for b in bs]
+        out.append(f"Across batch sizes {small}-{large}, GroupNorm's mean test error spans "
+                   f"{pct(min(g))}-{pct(max(g))} % (range {100 * (max(g) - min(g)):.2f} points) and "
+                   f"BatchNorm's {pct(min(bn))}-{pct(max(bn))} % (range {100 * (max(bn) - min(bn)):.2f} points); "
+                   + ("GroupNorm is the steadier of the two, as in the paper (24.0-24.2 % there)."
+                      if max(g) - min(g) < max(bn) - min(bn) else
+                      "here GroupNorm is NOT steadier than BatchNorm, unlike in the paper (24.0-24.2 % there)."))
+        a, b = summary["group"][str(small)], summary["batch"][str(small)]
+        sig, d = _differs(a, b)
+        out.append(f"At batch {small}: GroupNorm {_err(a)}, BatchNorm {_err(b)} -> "
+                   + ("GroupNorm is better, as in the paper (24.1 % vs 34.7 % at 2 per GPU)." if sig and d < 0 else
+                      "BatchNorm is better here, unlike the paper (24.1 % vs 34.7 % at 2 per GPU)." if sig else
+                      "no clear difference, unlike the paper (24.1 % vs 34.7 % at 2 per GPU)."))
+        a, b = summary["group"][str(ref)], summary["batch"][str(ref)]
+        sig, d = _differs(a, b)
+        out.append(f"At batch {ref}: GroupNorm {_err(a)}, BatchNorm {_err(b)} -> "
+                   + ("BatchNorm is better, as in the paper (23.6 % vs 24.1 % at 32)." if sig and d > 0 else
+                      "GroupNorm is better here; in the paper BatchNorm wins slightly (23.6 % vs 24.1 % at 32)."
+                      if sig else "no clear difference (the paper: BatchNorm 23.6 %, GroupNorm 24.1 % at 32)."))
+
+    # 3. speed: steps to reach the target loss at the reference batch
+    if "none" in summary and str(ref) in summary["none"]:
+        def steps(m):
+            s = summary[m][str(ref)]["steps_to_target"]
+            return s["mean"], s["n"]
+        total = summary["none"][str(ref)]["steps"]
+        n_none, k_none = steps("none")
+        normed = [(m, *steps(m)) for m in p["methods"] if m != "none" and str(ref) in summary[m]]
+        reached = [f"{name(m)} {v:.0f}" + ("" if k == len(p["seeds"]) else f" ({k}/{len(p['seeds'])} seeds)")
+                   for m, v, k in normed if k > 0]
+        never = [name(m) for m, v, k in normed if k == 0]
+        none_txt = (f"without normalization it takes {n_none:.0f} steps" if k_none else
+                    f"without normalization it never gets there in the {total} steps")
+        faster = [m for m, v, k in normed if k and (not k_none or v < n_none)]
+        out.append(f"Steps to reach training loss {TARGET_LOSS} at batch {ref} (of {total}): {none_txt}; "
+                   + ("; ".join(reached) if reached else "no normalized network reaches it either")
+                   + (f"; never reached: {', '.join(never)}" if never else "") + ". "
+                   + (f"{len(faster)} of {len(normed)} normalizations train faster than none, as the articles say."
+                      if faster else "Normalization does NOT speed up training here."))
+
+    # 4. stability: the unnormalized net at the largest learning rate
+    if have("none"):
+        c = summary["none"][str(large)]
+        others = [summary[m][str(large)]["test_error"]["mean"] for m in p["methods"] if m != "none" and have(m)]
+        div = c["diverged"]
+        msg = (f"At the largest batch ({large}, learning rate {c['lr']:g}) the network without normalization "
+               f"{'diverged in ' + str(div) + ' of ' + str(c['test_error']['n'] + div) + ' seeds and ' if div else ''}"
+               f"ends at {_err(c)}")
+        if others:
+            msg += (f", against {pct(min(others))}-{pct(max(others))} % with normalization"
+                    + (": normalization makes the larger learning rate usable." if c["test_error"]["mean"] > max(others)
+                       else ": here it keeps up with the normalized networks."))
+        out.append(msg)
+
+    # 5. train mode vs eval mode
+    for m in ("batch", "batchrenorm"):
+        if have(m):
+            gaps = {b: summary[m][str(b)]["test_error_train_mode"]["mean"] - summary[m][str(b)]["test_error"]["mean"]
+                    for b in bs}
+            out.append(f"{name(m)} gives different answers in training and eval mode: test error with each test "
+                       f"batch's own statistics minus error with the running averages is "
+                       + ", ".join(f"{100 * gaps[b]:+.2f}" for b in bs)
+                       + f" points at batch {', '.join(map(str, bs))}; the gap is largest at batch "
+                       f"{max(gaps, key=lambda b: abs(gaps[b]))}.")
+    per_sample = [m for m in PER_SAMPLE if have(m)]
+    if per_sample:
+        gap = max(abs(summary[m][str(b)]["test_error_train_mode"]["mean"] - summary[m][str(b)]["test_error"]["mean"])
+                  for m in per_sample for b in bs)
+        dep = max(summary[m][str(b)]["batch_dependence"]["mean"] for m in per_sample for b in bs)
+        bn_dep = (min(summary["batch"][str(b)]["batch_dependence"]["mean"] for b in bs) if have("batch") else None)
+        out.append(f"{', '.join(name(m) for m in per_sample)} do not depend on the batch: their train/eval "
+                   f"error gap is at most {100 * gap:.2f} points and changing an image's batch-mates moves its "
+                   f"logits by at most {dep:.1e}"
+                   + (f" (BatchNorm: at least {bn_dep:.2f})." if bn_dep is not None else "."))
+
+    # 6. who wins where
+    ranked = [m for m in p["methods"] if have(m)]
+    if ranked:
+        best = []
+        for b in bs:
+            m = min(ranked, key=lambda m: summary[m][str(b)]["test_error"]["mean"])
+            best.append(f"{b}: {name(m)} ({pct(summary[m][str(b)]['test_error']['mean'])} %)")
+        out.append("Lowest mean test error at each batch size -- " + "; ".join(best) + ".")
+    if have("instance"):
+        e = summary["instance"][str(ref)]["test_error"]["mean"]
+        others = [summary[m][str(ref)]["test_error"]["mean"] for m in ranked if m not in ("none", "instance")]
+        if others and e > max(others):
+            out.append(f"InstanceNorm is the worst normalization at batch {ref} ({pct(e)} %): on the last "
+                       f"2 x 2 maps it takes each channel's mean and variance from four numbers, erasing "
+                       f"how strongly a channel responds -- the information a classifier needs.")
+    return out

@@ -1,0 +1,162 @@
+"""The study's pictures (matplotlib, Agg backend), each drawn from the summary alone."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from normkit.study.analysis import NAMES, TARGET_LOSS, reference_batch
+
+__all__ = ["plot_all", "PLOTS"]
+
+PLOTS = {
+    "batch_size": "study-batch-size.png",
+    "loss_curves": "study-loss-curves.png",
+    "train_eval": "study-bn-train-eval.png",
+    "train_loss": "study-train-loss.png",
+}
+STYLE = {"none": ("#777777", "--"), "batch": ("#d62728", "-"), "batchrenorm": ("#ff7f0e", "-"),
+         "group": ("#1f77b4", "-"), "layer": ("#2ca02c", "-"), "instance": ("#9467bd", "-"),
+         "rms": ("#8c564b", "-")}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _series(summary, method, batch_sizes, metric):
+    bs = [b for b in batch_sizes if str(b) in summary[method]]
+    mean = np.array([summary[method][str(b)][metric]["mean"] for b in bs])
+    std = np.array([summary[method][str(b)][metric]["std"] for b in bs])
+    return np.array(bs), mean, std
+
+
+def _batch_axis(ax, batch_sizes):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+    ax.minorticks_off()
+    ax.invert_xaxis()  # large to small, as in the GroupNorm paper's figure
+    ax.set_xlabel("batch size (images per step)")
+    ax.grid(alpha=0.3)
+
+
+def plot_batch_size(summary, protocol, path):
+    """Test error against batch size per method (mean ± std over seeds), the paper's figure."""
+    plt = _plt()
+    bs = sorted(protocol["batch_sizes"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m in protocol["methods"]:
+        x, mean, std = _series(summary, m, bs, "test_error")
+        color, ls = STYLE.get(m, ("black", "-"))
+        ax.errorbar(x, 100 * mean, yerr=100 * std, color=color, ls=ls, marker="o", ms=4, capsize=3,
+                    label=NAMES.get(m, m))
+    _batch_axis(ax, bs)
+    ax.set_ylabel("test error (%), eval mode")
+    n = len(protocol["seeds"])
+    ax.set_title(f"Test error vs batch size ({protocol['dataset']}, {protocol['train']['epochs']} epochs, "
+                 f"mean ± std of {n} seed{'s' if n > 1 else ''})", fontsize=10)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_loss_curves(results, summary, protocol, path):
+    """Training loss against steps at the reference batch, mean over seeds, with the step at
+    which each method first reaches TARGET_LOSS marked."""
+    plt = _plt()
+    ref = reference_batch(protocol["batch_sizes"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m in protocol["methods"]:
+        runs = [r for r in results["runs"] if r["method"] == m and r["batch_size"] == ref
+                and r["seed"] in protocol["seeds"] and not r["diverged"]]
+        if not runs:
+            continue
+        steps = np.array(runs[0]["loss_curve"]["step"])
+        length = min(len(r["loss_curve"]["loss"]) for r in runs)
+        loss = np.mean([r["loss_curve"]["loss"][:length] for r in runs], axis=0)
+        color, ls = STYLE.get(m, ("black", "-"))
+        ax.plot(steps[:length], loss, color=color, ls=ls, label=NAMES.get(m, m))
+        s = summary[m][str(ref)]["steps_to_target"]["mean"]
+        if np.isfinite(s):
+            ax.plot([s], [TARGET_LOSS], marker="v", color=color, ms=7)
+    ax.axhline(TARGET_LOSS, color="black", lw=0.8, ls=":")
+    ax.text(ax.get_xlim()[1], TARGET_LOSS, f" target {TARGET_LOSS}", va="bottom", ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"step (batch {ref})")
+    ax.set_ylabel("training loss (cross-entropy, windowed mean)")
+    ax.set_title(f"Training loss with and without normalization, batch {ref}; ▼ = first step at loss "
+                 f"≤ {TARGET_LOSS}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_train_eval(summary, protocol, path):
+    """BatchNorm in eval mode (running averages) against training mode (each test batch's
+    own statistics), next to the same gap for every method."""
+    plt = _plt()
+    bs = sorted(protocol["batch_sizes"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.3))
+    for m in ("batch", "batchrenorm"):
+        if m not in summary:
+            continue
+        color, _ = STYLE[m]
+        for metric, ls, what in (("test_error", "-", "eval mode"), ("test_error_train_mode", "--", "train mode")):
+            x, mean, std = _series(summary, m, bs, metric)
+            ax1.errorbar(x, 100 * mean, yerr=100 * std, color=color, ls=ls, marker="o", ms=4, capsize=3,
+                         label=f"{NAMES[m]}, {what}")
+    _batch_axis(ax1, bs)
+    ax1.set_ylabel("test error (%)")
+    ax1.set_title("BatchNorm: running averages (eval) vs batch statistics (train)", fontsize=10)
+    ax1.legend(fontsize=8)
+    for m in protocol["methods"]:
+        x, ev, _ = _series(summary, m, bs, "test_error")
+        _, tr, _ = _series(summary, m, bs, "test_error_train_mode")
+        color, ls = STYLE.get(m, ("black", "-"))
+        ax2.plot(x, 100 * (tr - ev), color=color, ls=ls, marker="o", ms=4, label=NAMES.get(m, m))
+    _batch_axis(ax2, bs)
+    ax2.axhline(0, color="black", lw=0.8)
+    ax2.set_ylabel("train-mode minus eval-mode test error (points)")
+    ax2.set_title("Train/eval gap of every method (0 = batch-independent)", fontsize=10)
+    ax2.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_train_loss(summary, protocol, path):
+    """Final training loss against batch size: how well each method fits the training set."""
+    plt = _plt()
+    bs = sorted(protocol["batch_sizes"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m in protocol["methods"]:
+        x, mean, std = _series(summary, m, bs, "final_train_loss")
+        color, ls = STYLE.get(m, ("black", "-"))
+        ax.errorbar(x, mean, yerr=std, color=color, ls=ls, marker="o", ms=4, capsize=3, label=NAMES.get(m, m))
+    _batch_axis(ax, bs)
+    ax.set_yscale("log")
+    ax.set_ylabel("final training loss (last window)")
+    ax.set_title("Training loss at the end of the budget vs batch size", fontsize=10)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_all(results, summary, out_dir) -> dict:
+    """Draw every plot into ``out_dir``; return ``{key: file name}``."""
+    p = results["protocol"]
+    plot_batch_size(summary, p, os.path.join(out_dir, PLOTS["batch_size"]))
+    plot_loss_curves(results, summary, p, os.path.join(out_dir, PLOTS["loss_curves"]))
+    plot_train_eval(summary, p, os.path.join(out_dir, PLOTS["train_eval"]))
+    plot_train_loss(summary, p, os.path.join(out_dir, PLOTS["train_loss"]))
+    return dict(PLOTS)

@@ -1,0 +1,177 @@
+"""One training run of the study: a method, a batch size, a seed -> a dict of numbers.
+
+Protocol (the same for every run)
+---------------------------------
+* a fixed budget of ``epochs`` passes over the training set, so a batch of ``B`` images
+  takes ``epochs * floor(n_train / B)`` steps: small batches take many more steps;
+* SGD with momentum 0.9 and weight decay 5e-4; the learning rate follows the linear
+  scaling rule of Goyal et al. (2017), as in the GroupNorm paper's batch-size study::
+
+      lr(B) = base_lr * B / 32
+
+  with a linear warm-up over the first epoch and a cosine decay to zero after it, per step;
+* the training set is reshuffled every epoch from a generator seeded by the run's seed;
+  the model's initial weights come from the same seed, so two methods with the same seed
+  start from the same convolution and linear weights;
+* the last incomplete batch of an epoch is dropped, so every step sees exactly ``B``
+  images (BatchNorm's statistics always come from ``B`` images).
+
+Measured at the end of the run
+------------------------------
+* ``test_error``: test error in eval mode, the normal way to use a trained network
+  (BatchNorm uses its running averages);
+* ``test_error_train_mode``: test error with the network in training mode, test images
+  fed in batches of ``B`` (BatchNorm then uses each test batch's own statistics); the
+  running averages are left untouched (the forward runs on a copy). For the methods that
+  do not depend on the batch the two errors are equal;
+* ``batch_dependence``: the largest change of one image's logits, in training mode, when
+  the other ``B - 1`` images of its batch are swapped for different ones. Zero (up to
+  rounding) for the per-sample methods, large for BatchNorm;
+* ``loss_curve``: the mean training loss over consecutive windows of steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from normkit.study.model import SmallCNN
+
+__all__ = ["TrainConfig", "train_one", "learning_rate"]
+
+REFERENCE_BATCH = 32  # the batch size at which lr == base_lr
+CURVE_POINTS = 60     # windows in a run's training-loss curve (at most)
+
+
+class TrainConfig(dict):
+    """The protocol's knobs, a plain dict so it goes into results.json as it is."""
+
+    def __init__(self, epochs=8, base_lr=0.05, momentum=0.9, weight_decay=5e-4, warmup_epochs=1.0,
+                 eval_batch=256):
+        super().__init__(epochs=epochs, base_lr=base_lr, momentum=momentum, weight_decay=weight_decay,
+                         warmup_epochs=warmup_epochs, eval_batch=eval_batch,
+                         reference_batch=REFERENCE_BATCH)
+
+
+def learning_rate(base_lr: float, batch_size: int) -> float:
+    """Peak learning rate for ``batch_size`` by the linear scaling rule:
+    ``base_lr * batch_size / 32``."""
+    return base_lr * batch_size / REFERENCE_BATCH
+
+
+def _schedule(step: int, total: int, warmup: int) -> float:
+    """Multiplier of the peak rate: linear warm-up, then cosine decay to zero."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+@torch.no_grad()
+def _error(model, x, y, batch) -> float:
+    wrong = 0
+    for i in range(0, len(y), batch):
+        wrong += (model(x[i:i + batch]).argmax(1) != y[i:i + batch]).sum().item()
+    return wrong / len(y)
+
+
+@torch.no_grad()
+def _train_mode_error(model, x, y, batch) -> float:
+    """Error with batch statistics from test batches of ``batch`` images (on a copy, so
+    the trained model's running averages stay as they are). A last batch smaller than
+    ``batch`` is merged into the one before it rather than normalized on its own."""
+    probe = copy.deepcopy(model).train()
+    n = (len(y) // batch) * batch
+    wrong = 0
+    for i in range(0, n, batch):
+        end = len(y) if i + batch >= n else i + batch
+        wrong += (probe(x[i:end]).argmax(1) != y[i:end]).sum().item()
+    return wrong / len(y)
+
+
+@torch.no_grad()
+def _batch_dependence(model, x, batch) -> float:
+    """Largest change of image 0's logits (training mode) when its batch-mates change."""
+    if batch < 2 or len(x) < 2 * batch:
+        return 0.0
+    probe = copy.deepcopy(model).train()
+    first = probe(x[:batch])[0]
+    other = probe(torch.cat([x[:1], x[batch:2 * batch - 1]]))[0]
+    return float((first - other).abs().max())
+
+
+def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig) -> dict:
+    """Train ``SmallCNN(method)`` on ``data`` with ``batch_size`` and ``seed``; return its
+    numbers (see the module docstring)."""
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    model = SmallCNN(method, n_classes=data.n_classes)
+    x_train, y_train = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    x_test, y_test = torch.from_numpy(data.x_test), torch.from_numpy(data.y_test)
+    n = len(y_train)
+    if batch_size > n:
+        raise ValueError(f"batch size {batch_size} is larger than the {n} training images; "
+                         f"pass smaller --batch-sizes")
+    steps_per_epoch = n // batch_size
+    total = config["epochs"] * steps_per_epoch
+    warmup = min(total, max(1, round(config["warmup_epochs"] * steps_per_epoch)))
+    peak_lr = learning_rate(config["base_lr"], batch_size)
+    opt = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=config["momentum"],
+                          weight_decay=config["weight_decay"])
+    gen = torch.Generator().manual_seed(seed)
+
+    window = max(1, math.ceil(total / CURVE_POINTS))
+    curve_steps, curve_loss, acc, acc_n = [], [], 0.0, 0
+    diverged = False
+    step = 0
+    model.train()
+    for _ in range(config["epochs"]):
+        order = torch.randperm(n, generator=gen)
+        for b in range(steps_per_epoch):
+            idx = order[b * batch_size:(b + 1) * batch_size]
+            for group in opt.param_groups:
+                group["lr"] = peak_lr * _schedule(step, total, warmup)
+            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+            if not torch.isfinite(loss):
+                diverged = True
+                break
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            acc += loss.item()
+            acc_n += 1
+            if acc_n == window or step == total:
+                curve_steps.append(step)
+                curve_loss.append(acc / acc_n)
+                acc, acc_n = 0.0, 0
+        if diverged:
+            break
+
+    model.eval()
+    if diverged:
+        err = err_train_mode = 1.0 - 1.0 / data.n_classes  # chance level
+        dependence = float("nan")
+    else:
+        err = _error(model, x_test, y_test, config["eval_batch"])
+        err_train_mode = _train_mode_error(model, x_test, y_test, batch_size)
+        dependence = _batch_dependence(model, x_test, batch_size)
+    return {
+        "method": method,
+        "batch_size": batch_size,
+        "seed": seed,
+        "lr": peak_lr,
+        "steps": step,
+        "diverged": diverged,
+        "test_error": err,
+        "test_error_train_mode": err_train_mode,
+        "batch_dependence": dependence,
+        "final_train_loss": curve_loss[-1] if curve_loss else float("nan"),
+        "loss_curve": {"step": curve_steps, "loss": [round(v, 5) for v in curve_loss]},
+        "seconds": time.perf_counter() - start,
+    }
