@@ -18,6 +18,7 @@ SUBCOMMANDS = (
     "bench",
     "study",
     "explain",
+    "scale",
 )
 
 

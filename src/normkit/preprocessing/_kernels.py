@@ -29,6 +29,8 @@ it needs one float64 temporary of a block, never of all of ``X``.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from normkit.stats import Moments, Range, merge_moments
@@ -54,6 +56,27 @@ CHUNK_ROWS = 8192
 BLOCK_BYTES = 1 << 17
 #: rows per float64 temporary on the NumPy path
 NUMPY_BLOCK_ROWS = 8192
+
+
+#: below this many elements a kernel runs on the calling thread: waking a pool costs more
+PARALLEL_MIN_ELEMENTS = 1 << 18
+
+
+@contextmanager
+def _threads_for(X):
+    """Run the enclosed numba call on as many threads as there are chunks to share (one for
+    small inputs), then restore the caller's setting."""
+    n_chunks = -(-X.shape[0] // CHUNK_ROWS)
+    before = numba.get_num_threads()
+    want = 1 if X.size < PARALLEL_MIN_ELEMENTS else max(1, min(before, n_chunks))
+    if want == before:
+        yield
+        return
+    numba.set_num_threads(want)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
 
 
 def _block_rows(n_features: int, itemsize: int) -> int:
@@ -206,8 +229,9 @@ def column_moments(X, shift, weights=None) -> Moments:
     if USE_NUMBA:
         has_w = weights is not None
         w = np.ascontiguousarray(weights, dtype=np.float64) if has_w else np.empty(0)
-        cnt, mean, m2 = _moments_nb(X, shift, w, has_w, CHUNK_ROWS,
-                                    _block_rows(p, X.dtype.itemsize))
+        with _threads_for(X):
+            cnt, mean, m2 = _moments_nb(X, shift, w, has_w, CHUNK_ROWS,
+                                        _block_rows(p, X.dtype.itemsize))
         count, mean, m2 = _merge_tree(cnt, mean, m2)
         return Moments(count, mean, m2, shift)
     total = None
@@ -223,7 +247,8 @@ def column_range(X) -> Range:
     """Per-column minimum and maximum of the 2-D array ``X`` as float64, NaN ignored."""
     n, p = X.shape
     if USE_NUMBA and n:
-        mn, mx = _range_nb(X, CHUNK_ROWS)
+        with _threads_for(X):
+            mn, mx = _range_nb(X, CHUNK_ROWS)
         mn, mx = mn.min(axis=0), mx.max(axis=0)
         empty = (mn == np.inf) & (mx == -np.inf)  # all-NaN columns
         mn[empty] = np.nan
@@ -245,7 +270,8 @@ def subtract_divide(X, sub, div, out) -> int:
     p = X.shape[1]
     sub, div = _vec(sub, p), _vec(div, p)
     if USE_NUMBA:
-        return int(_sub_div_nb(X, sub, div, out, CHUNK_ROWS))
+        with _threads_for(X):
+            return int(_sub_div_nb(X, sub, div, out, CHUNK_ROWS))
     n_inf = 0
     for b0 in range(0, X.shape[0], NUMPY_BLOCK_ROWS):
         blk = X[b0:b0 + NUMPY_BLOCK_ROWS]
@@ -260,7 +286,8 @@ def multiply_add(X, mul, add, out, clip=None) -> int:
     mul, add = _vec(mul, p), _vec(add, p)
     if USE_NUMBA:
         lo, hi = (0.0, 0.0) if clip is None else (float(clip[0]), float(clip[1]))
-        return int(_mul_add_nb(X, mul, add, out, clip is not None, lo, hi, CHUNK_ROWS))
+        with _threads_for(X):
+            return int(_mul_add_nb(X, mul, add, out, clip is not None, lo, hi, CHUNK_ROWS))
     n_inf = 0
     for b0 in range(0, X.shape[0], NUMPY_BLOCK_ROWS):
         blk = X[b0:b0 + NUMPY_BLOCK_ROWS]

@@ -281,12 +281,7 @@ class StandardScaler(_ScalerBase):
             return transform(self, X, inverse=False)
         copy = self.copy if copy is None else copy
         X = _validate(self, X, reset=False, in_place=not copy)
-        out = _out_array(self, X, copy)
-        sub, div = self._center_scale()
-        n_inf = _kernels.subtract_divide(X, sub, div, out)
-        if n_inf:
-            _raise_inf(self, n_inf, "transform")
-        return out
+        return self._apply(X, _out_array(self, X, copy), inverse=False)
 
     def inverse_transform(self, X, copy=None):
         """``X * scale_ + mean_``: back to the original units."""
@@ -297,11 +292,17 @@ class StandardScaler(_ScalerBase):
             return transform(self, X, inverse=True)
         copy = self.copy if copy is None else copy
         X = _validate(self, X, reset=False, in_place=not copy)
-        out = _out_array(self, X, copy)
+        return self._apply(X, _out_array(self, X, copy), inverse=True)
+
+    def _apply(self, X, out, inverse):
+        """The map on a validated 2-D float array, written into ``out``."""
         sub, div = self._center_scale()
-        n_inf = _kernels.multiply_add(X, div, sub, out)
+        if inverse:
+            n_inf = _kernels.multiply_add(X, div, sub, out)
+        else:
+            n_inf = _kernels.subtract_divide(X, sub, div, out)
         if n_inf:
-            _raise_inf(self, n_inf, "inverse_transform")
+            _raise_inf(self, n_inf, "inverse_transform" if inverse else "transform")
         return out
 
     # -- persistence -------------------------------------------------------------------
@@ -437,12 +438,7 @@ class MinMaxScaler(_ScalerBase):
 
             return transform(self, X, inverse=False)
         X = _validate(self, X, reset=False, in_place=not self.copy)
-        out = _out_array(self, X, self.copy)
-        clip = self._range_bounds() if self.clip else None
-        n_inf = _kernels.multiply_add(X, self.scale_, self.min_, out, clip=clip)
-        if n_inf:
-            _raise_inf(self, n_inf, "transform")
-        return out
+        return self._apply(X, _out_array(self, X, self.copy), inverse=False)
 
     def inverse_transform(self, X):
         """``(X - min_) / scale_``: back to the original units."""
@@ -452,10 +448,17 @@ class MinMaxScaler(_ScalerBase):
 
             return transform(self, X, inverse=True)
         X = _validate(self, X, reset=False, in_place=not self.copy)
-        out = _out_array(self, X, self.copy)
-        n_inf = _kernels.subtract_divide(X, self.min_, self.scale_, out)
+        return self._apply(X, _out_array(self, X, self.copy), inverse=True)
+
+    def _apply(self, X, out, inverse):
+        """The map on a validated 2-D float array, written into ``out``."""
+        if inverse:
+            n_inf = _kernels.subtract_divide(X, self.min_, self.scale_, out)
+        else:
+            clip = self._range_bounds() if self.clip else None
+            n_inf = _kernels.multiply_add(X, self.scale_, self.min_, out, clip=clip)
         if n_inf:
-            _raise_inf(self, n_inf, "inverse_transform")
+            _raise_inf(self, n_inf, "inverse_transform" if inverse else "transform")
         return out
 
     def _get_state(self):

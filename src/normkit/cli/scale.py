@@ -1,0 +1,172 @@
+"""``normkit scale``: fit, apply and undo a scaler on CSV / Parquet files, streamed in chunks.
+
+::
+
+    normkit scale fit DATA... --method standard|minmax -o scaler.json
+    normkit scale transform DATA --scaler scaler.json -o OUT
+    normkit scale inverse DATA --scaler scaler.json -o OUT
+
+``fit`` scales the numeric columns (or ``--columns``); ``transform``/``inverse`` scale the
+columns named in the scaler file and pass every other column through unchanged. Memory is
+bounded by ``--chunk-mb`` whatever the file size; outputs are written atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def register(subparsers):
+    p = subparsers.add_parser("scale", help="fit / apply / invert a feature scaler on CSV or Parquet files",
+                              description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="scale_command", metavar="ACTION", required=True)
+
+    def common(q):
+        q.add_argument("--chunk-mb", type=float, default=16.0,
+                       help="memory budget of one chunk in MiB (default 16)")
+        q.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    f = sub.add_parser("fit", help="fit a scaler on one or more tables and save it as JSON")
+    f.add_argument("data", nargs="+", metavar="DATA", help="CSV or Parquet files (same columns)")
+    f.add_argument("--method", choices=("standard", "minmax"), default="standard")
+    f.add_argument("-o", "--output", required=True, help="scaler file to write (JSON)")
+    f.add_argument("--columns", help="comma-separated columns to scale (default: all numeric)")
+    f.add_argument("--feature-range", nargs=2, type=float, default=(0.0, 1.0), metavar=("LO", "HI"),
+                   help="target range for --method minmax (default 0 1)")
+    f.add_argument("--clip", action="store_true", help="minmax: clip transformed values to the range")
+    f.add_argument("--no-center", action="store_true", help="standard: do not subtract the mean")
+    common(f)
+    f.set_defaults(func=_run)
+
+    for name, what in (("transform", "scale"), ("inverse", "undo the scaling of")):
+        t = sub.add_parser(name, help=f"{what} the scaler's columns of a table, others passed through")
+        t.add_argument("data", metavar="DATA", help="CSV or Parquet file")
+        t.add_argument("--scaler", required=True, help="scaler file written by `normkit scale fit`")
+        t.add_argument("-o", "--output", required=True, help="output file (.csv or .parquet)")
+        common(t)
+        t.set_defaults(func=_run)
+
+
+def _progress(path, disable):
+    from tqdm import tqdm
+
+    from normkit.io import file_format
+
+    if file_format(path) == "parquet":
+        import pyarrow.parquet as pq
+
+        total, unit, scale = pq.ParquetFile(path).metadata.num_rows, " rows", False
+    else:
+        total, unit, scale = os.path.getsize(path), "B", True
+    return tqdm(total=total, unit=unit, unit_scale=scale, desc=os.path.basename(path),
+                file=sys.stderr, disable=disable, leave=False)
+
+
+def _matrix(batch, columns):
+    """The listed columns of a record batch as one (rows, columns) float64 array."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    out = np.empty((batch.num_rows, len(columns)), dtype=np.float64)
+    for j, name in enumerate(columns):
+        col = batch.column(name)
+        if not pa.types.is_float64(col.type):
+            col = pc.cast(col, pa.float64())
+        out[:, j] = col.to_numpy(zero_copy_only=False)  # nulls -> NaN
+    return out
+
+
+def _fit(args):
+    import numpy as np
+
+    from normkit.io import TableFormatError, iter_batches, read_schema
+    from normkit.preprocessing import MinMaxScaler, StandardScaler
+
+    names, numeric = read_schema(args.data[0])
+    if args.columns:
+        columns = [c.strip() for c in args.columns.split(",") if c.strip()]
+        unknown = [c for c in columns if c not in names]
+        if unknown:
+            raise TableFormatError(f"{args.data[0]}: has no columns {unknown} (it has {names}).")
+    else:
+        columns = numeric
+    if not columns:
+        raise TableFormatError(f"{args.data[0]}: has no numeric columns to scale (columns: {names}); "
+                               "name them with --columns.")
+    if args.method == "standard":
+        scaler = StandardScaler(with_mean=not args.no_center)
+    else:
+        scaler = MinMaxScaler(feature_range=tuple(args.feature_range), clip=args.clip)
+    chunk = int(args.chunk_mb * (1 << 20))
+    for path in args.data:
+        with _progress(path, args.no_progress) as bar:
+            for batch in iter_batches(path, columns, chunk, bar):
+                if batch.num_rows:
+                    scaler.partial_fit(_matrix(batch, columns))
+    if not hasattr(scaler, "n_features_in_"):
+        raise TableFormatError(f"{', '.join(args.data)}: no data rows to fit on.")
+    scaler.feature_names_in_ = np.asarray(columns, dtype=object)
+    scaler.save(args.output)
+    return 0
+
+
+def _apply(args, inverse):
+    import pyarrow as pa
+
+    from normkit.io import TableFormatError, TableWriter, atomic_path, file_format, iter_batches
+    from normkit.preprocessing import load_scaler
+
+    out_format = file_format(args.output)
+
+    scaler = load_scaler(args.scaler)
+    names = getattr(scaler, "feature_names_in_", None)
+    if names is None:
+        raise TableFormatError(f"{args.scaler}: the scaler has no feature names, so its columns cannot be "
+                               "found in a table; fit it with `normkit scale fit` or on a DataFrame.")
+    columns = [str(c) for c in names]
+    chunk = int(args.chunk_mb * (1 << 20))
+    with atomic_path(args.output) as tmp, _progress(args.data, args.no_progress) as bar:
+        writer = None
+        try:
+            for batch in iter_batches(args.data, columns, chunk, bar):
+                missing = [c for c in columns if c not in batch.schema.names]
+                if missing:
+                    raise TableFormatError(f"{args.data}: lacks the scaler's columns {missing}.")
+                X = _matrix(batch, columns)
+                Z = scaler._apply(X, X, inverse=inverse)  # in place on our own buffer
+                arrays = []
+                for name, col in zip(batch.schema.names, batch.columns):
+                    if name in columns:
+                        col = pa.array(Z[:, columns.index(name)], type=pa.float64(), from_pandas=True)
+                    arrays.append(col)
+                out = pa.RecordBatch.from_arrays(arrays, names=batch.schema.names)
+                if writer is None:
+                    writer = TableWriter(tmp, out.schema, out_format)
+                writer.write(out)
+        finally:
+            if writer is not None:
+                writer.close()
+        if writer is None:  # an empty table: write its header / schema only
+            from normkit.io import read_schema
+
+            all_names, _ = read_schema(args.data)
+            schema = pa.schema([(n, pa.float64() if n in columns else pa.string()) for n in all_names])
+            w = TableWriter(tmp, schema, out_format)
+            w.close()
+    return 0
+
+
+def _run(args):
+    try:
+        if args.scale_command == "fit":
+            return _fit(args)
+        return _apply(args, inverse=args.scale_command == "inverse")
+    except ImportError as exc:
+        print(f"normkit scale: error: {exc}; install the extras: pip install 'normkit[io,sklearn]'",
+              file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:
+        print(f"normkit scale: error: {exc}", file=sys.stderr)
+        return 1

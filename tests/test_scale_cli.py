@@ -1,0 +1,180 @@
+"""`normkit scale` end to end: CSV and Parquet, pass-through columns, errors, bounded memory.
+
+Expected values come from scikit-learn fitted on the same numbers read with pyarrow.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pytest.importorskip("tqdm")
+pytest.importorskip("sklearn")
+import pyarrow.csv as pcsv  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from sklearn import preprocessing as skp  # noqa: E402
+
+# the scale subcommand alone (the other subcommands belong to other modules)
+RUNNER = textwrap.dedent("""
+    import argparse, resource, sys
+    from normkit.cli import scale
+    parser = argparse.ArgumentParser(prog="normkit")
+    scale.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(sys.argv[1:])
+    rc = args.func(args)
+    print("maxrss_kb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    sys.exit(rc)
+""")
+
+
+def normkit(*argv):
+    """Run ``normkit <argv>`` in-process through the scale parser; return the exit code."""
+    import argparse
+
+    from normkit.cli import scale
+
+    parser = argparse.ArgumentParser(prog="normkit")
+    scale.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([str(a) for a in argv])
+    return args.func(args)
+
+
+def make_table(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return pa.table({
+        "id": [f"row{i}" for i in range(n)],
+        "x": rng.normal(size=n) * 3 + 1e6,
+        "y": rng.integers(-50, 50, size=n),
+        "when": [f"2024-01-{i % 28 + 1:02d}" for i in range(n)],
+        "z": np.where(rng.random(n) < 0.1, np.nan, rng.normal(size=n) * 1e-3),
+    })
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+@pytest.mark.parametrize("method", ["standard", "minmax"])
+def test_fit_transform_inverse_round_trip(tmp_path, fmt, method):
+    table = make_table(2500)
+    data = tmp_path / f"d.{fmt}"
+    (pcsv.write_csv if fmt == "csv" else pq.write_table)(table, data)
+    scaler = tmp_path / "s.json"
+    assert normkit("scale", "fit", data, "--method", method, "-o", scaler, "--chunk-mb", "0.02",
+                   "--no-progress") == 0
+    doc = json.loads(scaler.read_text())
+    assert doc["feature_names_in"] == ["x", "y", "z"]
+
+    X = np.column_stack([np.asarray(table[c].to_numpy(zero_copy_only=False), np.float64) for c in "xyz"])
+    if fmt == "csv":  # what a CSV round trip of the floats gives back
+        back = pcsv.read_csv(data)
+        X = np.column_stack([back[c].to_numpy(zero_copy_only=False).astype(np.float64) for c in "xyz"])
+    ref = (skp.StandardScaler() if method == "standard" else skp.MinMaxScaler()).fit(X)
+
+    out = tmp_path / f"o.{fmt}"
+    assert normkit("scale", "transform", data, "--scaler", scaler, "-o", out, "--chunk-mb", "0.02",
+                   "--no-progress") == 0
+    got = pcsv.read_csv(out, convert_options=pcsv.ConvertOptions(
+        column_types={"id": pa.string(), "when": pa.string()})) if fmt == "csv" else pq.read_table(out)
+    assert got.column_names == table.column_names
+    assert got["id"].to_pylist() == table["id"].to_pylist()  # passed through unchanged
+    assert got["when"].to_pylist() == table["when"].to_pylist()
+    Z = np.column_stack([got[c].to_numpy(zero_copy_only=False).astype(np.float64) for c in "xyz"])
+    np.testing.assert_allclose(Z, ref.transform(X), rtol=1e-9, atol=1e-9)
+
+    inv = tmp_path / "inv.parquet"
+    assert normkit("scale", "inverse", out, "--scaler", scaler, "-o", inv, "--no-progress") == 0
+    W = np.column_stack([pq.read_table(inv)[c].to_numpy(zero_copy_only=False) for c in "xyz"])
+    np.testing.assert_allclose(W, ref.inverse_transform(ref.transform(X)), rtol=1e-12)
+
+
+def test_fit_several_files_equals_one(tmp_path):
+    t = make_table(3000)
+    pcsv.write_csv(t.slice(0, 1000), tmp_path / "a.csv")
+    pq.write_table(t.slice(1000), tmp_path / "b.parquet")
+    pcsv.write_csv(t, tmp_path / "all.csv")
+    assert normkit("scale", "fit", tmp_path / "a.csv", tmp_path / "b.parquet", "-o", tmp_path / "s1.json",
+                   "--no-progress") == 0
+    assert normkit("scale", "fit", tmp_path / "all.csv", "-o", tmp_path / "s2.json", "--no-progress") == 0
+    a, b = (json.loads((tmp_path / f"s{i}.json").read_text())["state"] for i in (1, 2))
+    np.testing.assert_allclose(a["mean_"], b["mean_"], rtol=1e-12)
+    np.testing.assert_allclose(a["var_"], b["var_"], rtol=1e-9)
+
+
+def test_malformed_rows_name_file_and_line(tmp_path, capsys):
+    good = tmp_path / "good.csv"
+    good.write_text("id,x\na,1\nb,2\nc,4\n")
+    assert normkit("scale", "fit", good, "-o", tmp_path / "s.json", "--no-progress") == 0
+    bad = tmp_path / "bad.csv"
+    bad.write_text("id,x\na,1\nb,2,3\nc,4\n")
+    out = tmp_path / "out.csv"
+    assert normkit("scale", "transform", bad, "--scaler", tmp_path / "s.json", "-o", out, "--no-progress") == 1
+    assert f"{bad}:3: malformed row: expected 2 fields, got 3" in capsys.readouterr().err
+    assert not out.exists()
+    bad.write_text("id,x\na,1\nb,2\nc,four\n")
+    assert normkit("scale", "fit", bad, "-o", tmp_path / "t.json", "--columns", "x", "--no-progress") == 1
+    assert f"{bad}:4: malformed row: column 'x' has the non-numeric value 'four'" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_failure_leaves_no_partial_output(tmp_path, capsys):
+    n = 20000
+    lines = ["id,x"] + [f"r{i},{i}" for i in range(n)]
+    lines[n - 5] = "oops,not-a-number"  # late in the file: several chunks are written before it
+    data = tmp_path / "late.csv"
+    data.write_text("\n".join(lines) + "\n")
+    pcsv.write_csv(pa.table({"x": np.arange(10.0)}), tmp_path / "fit.csv")
+    assert normkit("scale", "fit", tmp_path / "fit.csv", "-o", tmp_path / "s.json", "--no-progress") == 0
+    out = tmp_path / "out.csv"
+    out.write_text("previous content\n")
+    rc = normkit("scale", "transform", data, "--scaler", tmp_path / "s.json", "-o", out,
+                 "--chunk-mb", "0.01", "--no-progress")
+    assert rc == 1
+    assert f"{data}:{n - 4}:" in capsys.readouterr().err
+    assert out.read_text() == "previous content\n"  # untouched: the new output was never renamed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fit.csv", "late.csv", "out.csv", "s.json"]
+
+
+def test_errors_for_unknown_columns_and_formats(tmp_path, capsys):
+    pcsv.write_csv(pa.table({"name": ["a", "b"]}), tmp_path / "text.csv")
+    assert normkit("scale", "fit", tmp_path / "text.csv", "-o", tmp_path / "s.json", "--no-progress") == 1
+    assert "no numeric columns" in capsys.readouterr().err
+    assert normkit("scale", "fit", tmp_path / "text.csv", "--columns", "nope", "-o", tmp_path / "s.json",
+                   "--no-progress") == 1
+    assert "has no columns ['nope']" in capsys.readouterr().err
+    (tmp_path / "d.xlsx").write_text("")
+    assert normkit("scale", "fit", tmp_path / "d.xlsx", "-o", tmp_path / "s.json", "--no-progress") == 1
+    assert "unknown table format" in capsys.readouterr().err
+    (tmp_path / "broken.json").write_text("{")
+    pcsv.write_csv(pa.table({"x": [1.0]}), tmp_path / "x.csv")
+    assert normkit("scale", "transform", tmp_path / "x.csv", "--scaler", tmp_path / "broken.json",
+                   "-o", tmp_path / "o.csv", "--no-progress") == 1
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def _peak_kb(tmp_path, data, scaler, out):
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, "scale", "transform", str(data), "--scaler", str(scaler),
+         "-o", str(out), "--chunk-mb", "0.25"],
+        capture_output=True, text=True, check=True)
+    assert "%" in proc.stderr  # the progress bar went to stderr
+    return int(proc.stdout.split("maxrss_kb")[1])
+
+
+def test_memory_stays_flat_as_the_file_grows(tmp_path):
+    rng = np.random.default_rng(0)
+    small, big = 20_000, 160_000  # ~3 MB and ~27 MB of CSV, chunks of 0.25 MB
+    cols = {f"c{j}": rng.normal(size=big) for j in range(8)}
+    cols["tag"] = np.array(["abcdefgh"] * big)
+    table = pa.table(cols)
+    pcsv.write_csv(table.slice(0, small), tmp_path / "small.csv")
+    pcsv.write_csv(table, tmp_path / "big.csv")
+    subprocess.run([sys.executable, "-c", RUNNER, "scale", "fit", str(tmp_path / "small.csv"),
+                    "-o", str(tmp_path / "s.json"), "--no-progress"], check=True, capture_output=True)
+    size_growth_kb = ((tmp_path / "big.csv").stat().st_size - (tmp_path / "small.csv").stat().st_size) // 1024
+    peak_small = _peak_kb(tmp_path, tmp_path / "small.csv", tmp_path / "s.json", tmp_path / "o1.csv")
+    peak_big = _peak_kb(tmp_path, tmp_path / "big.csv", tmp_path / "s.json", tmp_path / "o2.csv")
+    assert peak_big - peak_small < size_growth_kb / 4, (peak_small, peak_big, size_growth_kb)
