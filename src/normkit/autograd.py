@@ -45,10 +45,11 @@ class NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, grouping, eps, center, fixed_mean, fixed_rstd):
+        # x arrives already viewed as grouping.view; y leaves in that shape (not a view of
+        # anything, so that callers may modify it in place)
         fixed = fixed_mean is not None
         backend = backends.select(x, grouping, center, fixed)
-        xv = _view(x, grouping.view)
-        y, mean, rstd, var = backend.forward(xv, grouping, weight, bias, eps, center,
+        y, mean, rstd, var = backend.forward(x, grouping, weight, bias, eps, center,
                                              fixed_mean, fixed_rstd)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.grouping, ctx.eps, ctx.center, ctx.fixed = grouping, eps, center, fixed
@@ -57,27 +58,23 @@ class NormFunction(torch.autograd.Function):
         if fixed:
             mean = var = x.new_empty(0)
         ctx.mark_non_differentiable(mean, var)
-        return _view(y, x.shape), mean, var
+        return y, mean, var
 
     @staticmethod
     def backward(ctx, grad_y, _grad_mean, _grad_var):
         x, weight, mean, rstd = ctx.saved_tensors
         grouping = ctx.grouping
         needs = ctx.needs_input_grad[:3]
-        xv = _view(x, grouping.view)
-        gv = grad_y.reshape(grouping.view)
         if torch.is_grad_enabled():
             # double backward: differentiable composite path, statistics recomputed from x
             if not ctx.fixed:
-                xs = xv.to(torch_ops.stat_dtype(x.dtype))
+                xs = x.to(torch_ops.stat_dtype(x.dtype))
                 mean, _, rstd = torch_ops.compute_stats(xs, grouping, ctx.eps, ctx.center)
-            dx, dw, db = torch_ops.backward(gv, xv, mean, rstd, weight, grouping,
+            dx, dw, db = torch_ops.backward(grad_y, x, mean, rstd, weight, grouping,
                                             ctx.center, ctx.fixed, needs)
         else:
-            dx, dw, db = ctx.backend.backward(gv, xv, mean, rstd, weight, grouping,
+            dx, dw, db = ctx.backend.backward(grad_y, x, mean, rstd, weight, grouping,
                                               ctx.center, ctx.fixed, needs)
-        if dx is not None:
-            dx = _view(dx, x.shape)
         dw = _to_param(dw, weight, grouping) if weight is not None else None
         if db is not None:
             shape, dtype = ctx.bias_meta
@@ -89,5 +86,8 @@ class NormFunction(torch.autograd.Function):
 
 def normalize(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
               fixed_mean=None, fixed_rstd=None):
-    """Apply ``NormFunction``; returns ``(y, mean, var)``."""
-    return NormFunction.apply(x, weight, bias, grouping, eps, center, fixed_mean, fixed_rstd)
+    """Apply ``NormFunction`` to ``x`` seen through ``grouping.view``; returns
+    ``(y, mean, var)`` with ``y`` in ``x``'s shape (and memory layout)."""
+    y, mean, var = NormFunction.apply(_view(x, grouping.view), weight, bias, grouping, eps,
+                                      center, fixed_mean, fixed_rstd)
+    return _view(y, x.shape), mean, var

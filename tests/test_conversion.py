@@ -1,0 +1,119 @@
+"""convert/revert on toy and real models (transformers' SigLIP vision tower and ResNet)."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import normkit  # noqa: E402
+import normkit.nn as nknn  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+
+def _toy():
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.GroupNorm(2, 8),
+                         nn.InstanceNorm2d(8, affine=True), nn.Flatten(), nn.LazyBatchNorm1d(),
+                         nn.Linear(8 * 36, 16), nn.LayerNorm(16), nn.RMSNorm(16))
+
+
+def test_convert_swaps_exact_types_and_keeps_tensors():
+    model = _toy()
+    params_before = {n: p for n, p in model.named_parameters()}
+    model[1].weight.requires_grad_(False)
+    model.eval()
+    report = normkit.convert(model)
+    assert report.model is model
+    kinds = [type(m) for m in model]
+    assert kinds[1] is nknn.BatchNorm2d and kinds[3] is nknn.GroupNorm
+    assert kinds[4] is nknn.InstanceNorm2d and kinds[8] is nknn.LayerNorm
+    assert kinds[9] is nknn.RMSNorm
+    assert kinds[6] is nn.LazyBatchNorm1d  # a subclass: left in place and reported
+    assert [s[0] for s in report.skipped] == ["6"]
+    assert len(report.swapped) == 5
+    # the very same Parameter objects (an optimizer built before stays valid)
+    for n, p in model.named_parameters():
+        if n in params_before:
+            assert p is params_before[n]
+    assert not model[1].weight.requires_grad
+    assert not any(m.training for m in model)
+    assert "swapped 5 module(s), skipped 1" in str(report)
+
+
+def test_revert_restores_torch_layers():
+    model = _toy()
+    model(torch.randn(2, 3, 8, 8))  # materializes the lazy layer into a plain BatchNorm1d
+    ref = copy.deepcopy(model)
+    assert len(normkit.convert(model).swapped) == 6
+    report = normkit.revert(model)
+    assert [type(m) for m in model] == [type(m) for m in ref]
+    assert len(report.swapped) == 6
+    for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_convnext_layer_norm_subclass_is_left_in_place():
+    from transformers import ConvNextConfig, ConvNextModel
+
+    cfg = ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
+                         image_size=32)
+    model = ConvNextModel(cfg)
+    report = normkit.convert(model)
+    skipped = {name for name, _, _ in report.skipped}
+    assert any("ConvNextLayerNorm" in kind for _, kind, _ in report.skipped)
+    for name, module in model.named_modules():
+        if type(module).__name__ == "ConvNextLayerNorm":
+            assert name in skipped
+    # the plain nn.LayerNorm layers inside the blocks were swapped
+    assert any(new == "normkit.nn.LayerNorm" for _, _, new in report.swapped)
+
+
+def test_siglip_vision_model_outputs_and_gradients_identical():
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(0)
+    cfg = SiglipVisionConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, image_size=32, patch_size=8)
+    original = SiglipVisionModel(cfg).double()
+    converted = copy.deepcopy(original)
+    report = normkit.convert(converted)
+    names = {n for n, _, _ in report.swapped}
+    assert any(n.endswith("post_layernorm") for n in names)
+    assert not any(isinstance(m, nn.LayerNorm) for m in converted.modules())
+    pixels = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    out_a = original(pixel_values=pixels)
+    out_b = converted(pixel_values=pixels)
+    torch.testing.assert_close(out_b.last_hidden_state, out_a.last_hidden_state,
+                               atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(out_b.pooler_output, out_a.pooler_output, atol=1e-12, rtol=1e-12)
+    (out_a.last_hidden_state.square().mean() + out_a.pooler_output.sum()).backward()
+    (out_b.last_hidden_state.square().mean() + out_b.pooler_output.sum()).backward()
+    for (n, pa), (_, pb) in zip(original.named_parameters(), converted.named_parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, atol=1e-11, rtol=1e-10, msg=n)
+
+
+def test_resnet_training_steps_then_eval_identical():
+    from transformers import ResNetConfig, ResNetModel
+
+    torch.manual_seed(0)
+    cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
+    original = ResNetModel(cfg).double()
+    converted = copy.deepcopy(original)
+    report = normkit.convert(converted)
+    assert len(report.swapped) == sum(isinstance(m, nn.BatchNorm2d) for m in original.modules())
+    opt_a = torch.optim.SGD(original.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(converted.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        x = torch.randn(4, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        for model, opt in ((original, opt_a), (converted, opt_b)):
+            opt.zero_grad()
+            model(pixel_values=x).pooler_output.square().sum().backward()
+            opt.step()
+    for (n, a), (_, b) in zip(original.state_dict().items(), converted.state_dict().items()):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10, msg=n)
+    original.eval(), converted.eval()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    torch.testing.assert_close(converted(pixel_values=x).last_hidden_state,
+                               original(pixel_values=x).last_hidden_state, atol=1e-10, rtol=1e-10)
