@@ -1,0 +1,29 @@
+"""The ``normkit`` command: help lists every subcommand; the demo runs."""
+
+import subprocess
+import sys
+
+import pytest
+
+from normkit.cli import SUBCOMMANDS, main
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for name in SUBCOMMANDS:
+        assert name in out
+
+
+def test_demo_runs_and_reports_small_differences():
+    pytest.importorskip("torch")
+    res = subprocess.run([sys.executable, "-m", "normkit", "demo"], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "-0.2675, 1.4464, -1.1036, 0.8611, -0.9364" in res.stdout
+    assert "swapped 2 module(s)" in res.stdout
+    diffs = [float(line.split()[-2]) for line in res.stdout.splitlines()
+             if line.strip().startswith(("BatchNorm2d(", "GroupNorm(", "LayerNorm(", "RMSNorm("))]
+    assert len(diffs) == 4 and max(diffs) < 1e-4
