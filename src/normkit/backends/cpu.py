@@ -6,9 +6,9 @@ when numba (the ``fast`` extra) is missing.
 
 Memory is shared with torch, never copied: a detached CPU tensor's ``.numpy()`` is a view
 of its storage. Half-precision inputs are viewed as 16-bit integers and converted in
-registers -- bfloat16 as ``uint16`` (the top half of a float32), float16 as ``int16``
-(converted by the F16C instructions LLVM emits for ``fpext``/``fptrunc``) -- so every
-kernel exists in four versions: float64, float32, bfloat16, float16. Statistics are
+registers -- bfloat16 as the top half of a float32, float16 by the F16C instructions LLVM
+emits for ``fpext``/``fptrunc`` -- both stored as ``uint16`` and told apart by a runtime
+flag, so every kernel is compiled three times: float64, float32 and 16-bit. Statistics are
 float32 (float64 for float64 inputs), merged across blocks in float64.
 
 Kernel families, each one parallel loop (``numba.prange``) over independent work:
@@ -53,17 +53,19 @@ from numba.extending import intrinsic, overload, register_jitable
 
 from normkit.backends.torch_ops import stat_dtype
 
-# reassociation lets LLVM vectorize the reductions; no nnan/ninf, so NaN and inf propagate
-_FM = {"reassoc", "contract", "nsz", "arcp"}
-_JIT = dict(parallel=True, cache=True, fastmath=_FM, nogil=True)
+# strict IEEE arithmetic (so that the shifted sums below are not re-associated away); the
+# scalar reductions alone are marked re-associable by ``_acc``, which lets LLVM vectorize
+# them
+_JIT = dict(parallel=True, cache=True, nogil=True)
 
 # storage dtype seen by the kernels for each torch dtype
 _STORAGE = {
     torch.float64: torch.float64,
     torch.float32: torch.float32,
     torch.bfloat16: torch.uint16,
-    torch.float16: torch.int16,
+    torch.float16: torch.uint16,
 }
+_FMT = {torch.bfloat16: 1, torch.float16: 2}   # which 16-bit format (0: not 16-bit)
 _KINDS = ("layer", "batch", "instance", "group")
 _BLOCK_BYTES = 64 * 1024  # channels_last: rows of C per two-pass block (stays in L2)
 
@@ -97,7 +99,7 @@ def _f32_to_bf16(typingctx, f):
 
 @intrinsic
 def _f16_to_f32(typingctx, h):
-    """int16 bits of a float16 -> float32."""
+    """uint16 bits of a float16 -> float32."""
     def codegen(context, builder, sig, args):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
     return nbt.float32(h), codegen
@@ -105,17 +107,30 @@ def _f16_to_f32(typingctx, h):
 
 @intrinsic
 def _f32_to_f16(typingctx, f):
-    """float32 -> int16 bits of a float16, rounded to nearest even."""
+    """float32 -> uint16 bits of a float16, rounded to nearest even."""
     def codegen(context, builder, sig, args):
         return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-    return nbt.int16(nbt.float32), codegen
+    return nbt.uint16(nbt.float32), codegen
 
 
-def _ld(a, i):
-    """``a[i]`` as the compute type (float32, float64 for float64 storage)."""
+@intrinsic
+def _acc(typingctx, acc, v):
+    """``acc + v`` marked re-associable: a reduction LLVM may split into vector lanes."""
+    if acc != v:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1], flags=("reassoc", "nsz"))
+    return acc(acc, v), codegen
 
 
-def _st(a, i, v):
+def _ld(a, i, fmt):
+    """``a[i]`` as the compute type (float32; float64 for float64 storage). 16-bit storage
+    holds bfloat16 (``fmt == 1``) or float16 (``fmt == 2``) bits: one compiled kernel
+    serves both, the test on ``fmt`` being loop-invariant."""
+
+
+def _st(a, i, fmt, v):
     """``a[i] = v`` converted to the storage type."""
 
 
@@ -124,26 +139,24 @@ def _as(a, v):
 
 
 @overload(_ld)
-def _ld_impl(a, i):
+def _ld_impl(a, i, fmt):
     if a.dtype == nbt.uint16:
-        return lambda a, i: _bf16_to_f32(a[i])
-    if a.dtype == nbt.int16:
-        return lambda a, i: _f16_to_f32(a[i])
-    return lambda a, i: a[i]
+        def ld_half(a, i, fmt):
+            h = a[i]
+            return _bf16_to_f32(h) if fmt == 1 else _f16_to_f32(h)
+        return ld_half
+    return lambda a, i, fmt: a[i]
 
 
 @overload(_st)
-def _st_impl(a, i, v):
+def _st_impl(a, i, fmt, v):
     if a.dtype == nbt.uint16:
-        def st_bf16(a, i, v):
-            a[i] = _f32_to_bf16(np.float32(v))
-        return st_bf16
-    if a.dtype == nbt.int16:
-        def st_f16(a, i, v):
-            a[i] = _f32_to_f16(np.float32(v))
-        return st_f16
+        def st_half(a, i, fmt, v):
+            f = np.float32(v)
+            a[i] = _f32_to_bf16(f) if fmt == 1 else _f32_to_f16(f)
+        return st_half
 
-    def st(a, i, v):
+    def st(a, i, fmt, v):
         a[i] = v
     return st
 
@@ -169,7 +182,7 @@ def _plane(u, j, groups, cg, by_channel):
 # ---------------------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _rows_fwd(x, y, w, b, eps, center, mean, rstd, var):
+def _rows_fwd(x, y, w, b, eps, center, mean, rstd, var, fmt):
     """y = (x - mean) * rstd * w + b per row; mean = 0 and var = mean(x**2) without
     centering. x, y: (M, K) storage; w, b: (K,) stat dtype; mean, rstd, var: (M,)."""
     m, k = x.shape
@@ -177,27 +190,30 @@ def _rows_fwd(x, y, w, b, eps, center, mean, rstd, var):
     for r in prange(m):
         xr = x[r]                                                  # K
         yr = y[r]                                                  # K
-        mu = _as(mean, 0.0)
+        # statistics of x - x0, x0 the row's first element: the shifted values are small
+        # and exact for data far from 0 with a small spread
+        x0 = _ld(xr, 0, fmt) if center else _as(mean, 0.0)
+        mr = _as(mean, 0.0)                                        # mean - x0
         if center:
             s = _as(mean, 0.0)
             for i in range(k):
-                s += _ld(xr, i)
-            mu = s * inv_k
+                s = _acc(s, _ld(xr, i, fmt) - x0)
+            mr = s * inv_k
         q = _as(mean, 0.0)
         for i in range(k):                                         # second pass, from L1
-            d = _ld(xr, i) - mu
-            q += d * d
+            d = (_ld(xr, i, fmt) - x0) - mr
+            q = _acc(q, d * d)
         v = q * inv_k
         rs = _as(mean, 1.0 / math.sqrt(v + eps))
-        mean[r] = mu
+        mean[r] = x0 + mr
         rstd[r] = rs
         var[r] = v
         for i in range(k):
-            _st(yr, i, (_ld(xr, i) - mu) * (rs * w[i]) + b[i])
+            _st(yr, i, fmt, ((_ld(xr, i, fmt) - x0) - mr) * (rs * w[i]) + b[i])
 
 
 @njit(**_JIT)
-def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp):
+def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp, fmt):
     """dx = rstd * (g*w - c2 - xhat*c1) per row, c1 = mean(g*w*xhat), c2 = mean(g*w);
     dwp[t], dbp[t]: thread chunk t's partial sums of g*xhat and g (zero on entry)."""
     m, k = x.shape
@@ -213,18 +229,18 @@ def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp):
             c1 = _as(mean, 0.0)
             c2 = _as(mean, 0.0)
             for i in range(k):
-                gi = _ld(gr, i)
-                xh = (_ld(xr, i) - mu) * rs
+                gi = _ld(gr, i, fmt)
+                xh = (_ld(xr, i, fmt) - mu) * rs
                 dxh = gi * w[i]
-                c1 += dxh * xh
-                c2 += dxh
+                c1 = _acc(c1, dxh * xh)
+                c2 = _acc(c2, dxh)
                 dwt[i] += gi * xh
                 dbt[i] += gi
             c1 *= inv_k
             c2 = c2 * inv_k if center else _as(mean, 0.0)
             for i in range(k):                                     # x, g rows from L1
-                xh = (_ld(xr, i) - mu) * rs
-                _st(dxr, i, (_ld(gr, i) * w[i] - c2 - xh * c1) * rs)
+                xh = (_ld(xr, i, fmt) - mu) * rs
+                _st(dxr, i, fmt, (_ld(gr, i, fmt) * w[i] - c2 - xh * c1) * rs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -232,7 +248,7 @@ def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp):
 # ---------------------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _units_fwd(x, y, w, b, eps, groups, by_channel, fixed, mean, rstd, var):
+def _units_fwd(x, y, w, b, eps, groups, by_channel, fixed, mean, rstd, var, fmt):
     """Normalize each unit (planes sharing a statistic) of x: (N, C, S). Units: channels
     (by_channel, BatchNorm) or (sample, group) with C/groups planes each. mean, rstd,
     var: (U,), read (fixed) or written."""
@@ -242,40 +258,42 @@ def _units_fwd(x, y, w, b, eps, groups, by_channel, fixed, mean, rstd, var):
     nb = n_ if by_channel else cg
     inv_s = _as(mean, 1.0 / s_)
     for u in prange(nu):
+        n0, c0 = _plane(u, 0, groups, cg, by_channel)
+        x0 = _ld(x[n0, c0], 0, fmt)                                     # shift of the unit
         if fixed:
-            mu, rs = mean[u], rstd[u]
+            mr, rs = _as(mean, mean[u] - x0), rstd[u]
         else:
-            cnt, mu64, m2 = 0.0, 0.0, 0.0                          # float64 merge
+            cnt, mr64, m2 = 0.0, 0.0, 0.0                          # float64 merge
             for j in range(nb):
                 n, c = _plane(u, j, groups, cg, by_channel)
                 xb = x[n, c]                                       # S
                 s = _as(mean, 0.0)
                 for i in range(s_):
-                    s += _ld(xb, i)
-                bm = s * inv_s
+                    s = _acc(s, _ld(xb, i, fmt) - x0)
+                bm = s * inv_s                                     # block mean - x0
                 q = _as(mean, 0.0)
                 for i in range(s_):                                # from L1
-                    d = _ld(xb, i) - bm
-                    q += d * d
+                    d = (_ld(xb, i, fmt) - x0) - bm
+                    q = _acc(q, d * d)
                 tot = cnt + s_                                     # Chan merge
-                delta = bm - mu64
-                mu64 += delta * s_ / tot
+                delta = bm - mr64
+                mr64 += delta * s_ / tot
                 m2 += q + delta * delta * cnt * s_ / tot
                 cnt = tot
             v = m2 / cnt
-            mu = _as(mean, mu64)
+            mr = _as(mean, mr64)
             rs = _as(mean, 1.0 / math.sqrt(v + eps))
-            mean[u], rstd[u], var[u] = mu, rs, v
+            mean[u], rstd[u], var[u] = x0 + mr64, rs, v
         for j in range(nb):                                        # unit still in L2
             n, c = _plane(u, j, groups, cg, by_channel)
             xb, yb = x[n, c], y[n, c]                              # S
             sc, sh = rs * w[c], b[c]
             for i in range(s_):
-                _st(yb, i, (_ld(xb, i) - mu) * sc + sh)
+                _st(yb, i, fmt, ((_ld(xb, i, fmt) - x0) - mr) * sc + sh)
 
 
 @njit(**_JIT)
-def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, sgx):
+def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, sgx, fmt):
     """dx of each unit of x: (N, C, S); sg[n, c] = sum(g), sgx[n, c] = sum(g * xhat)
     over each plane (dbias and dweight before the sum over n)."""
     n_, c_, s_ = x.shape
@@ -291,9 +309,9 @@ def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, s
             a = _as(mean, 0.0)
             q = _as(mean, 0.0)
             for i in range(s_):
-                gi = _ld(gb, i)
-                a += gi
-                q += gi * ((_ld(xb, i) - mu) * rs)
+                gi = _ld(gb, i, fmt)
+                a = _acc(a, gi)
+                q = _acc(q, gi * ((_ld(xb, i, fmt) - mu) * rs))
             sg[n, c], sgx[n, c] = a, q
             c1 += w[c] * q
             c2 += w[c] * a
@@ -305,8 +323,8 @@ def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, s
             xb, gb, dxb = x[n, c], g[n, c], dx[n, c]               # S
             wc = w[c]
             for i in range(s_):
-                xh = (_ld(xb, i) - mu) * rs
-                _st(dxb, i, (_ld(gb, i) * wc - k2 - xh * k1) * rs)
+                xh = (_ld(xb, i, fmt) - mu) * rs
+                _st(dxb, i, fmt, (_ld(gb, i, fmt) * wc - k2 - xh * k1) * rs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -314,7 +332,7 @@ def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, s
 # ---------------------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _cl_moments(x, parts, rb, pmean, pm2):
+def _cl_moments(x, parts, rb, pmean, pm2, fmt):
     """Per-(n, c) mean and M2 of x: (N, S, C) over each of ``parts`` ranges of S (a
     two-pass over blocks of rb rows, Chan-merged in float64). pmean, pm2: (N, parts, C)
     float64; range p holds the rows [p*len, (p+1)*len) with len = ceil(S / parts)."""
@@ -336,14 +354,14 @@ def _cl_moments(x, parts, rb, pmean, pm2):
             for s in range(s0, s1):
                 xr = x[n, s]                                       # C
                 for c in range(c_):
-                    bs[c] += _ld(xr, c)
+                    bs[c] += _ld(xr, c, fmt)
             for c in range(c_):
                 bm[c] = bs[c] / nbk
                 bs[c] = 0.0
             for s in range(s0, s1):                                # block from L2
                 xr = x[n, s]
                 for c in range(c_):
-                    d = _ld(xr, c) - bm[c]
+                    d = _ld(xr, c, fmt) - bm[c]
                     bs[c] += d * d
             tot = cnt + nbk                                        # Chan merge
             for c in range(c_):
@@ -354,7 +372,7 @@ def _cl_moments(x, parts, rb, pmean, pm2):
 
 
 @njit(**_JIT)
-def _cl_apply(x, y, parts, mu, sc, sh):
+def _cl_apply(x, y, parts, mu, sc, sh, fmt):
     """y = (x - mu) * sc + sh with per-(n, c) coefficients (N, C); x, y: (N, S, C)."""
     n_, s_, c_ = x.shape
     plen = (s_ + parts - 1) // parts
@@ -364,11 +382,11 @@ def _cl_apply(x, y, parts, mu, sc, sh):
         for s in range(p * plen, min(s_, (p + 1) * plen)):
             xr, yr = x[n, s], y[n, s]                              # C
             for c in range(c_):
-                _st(yr, c, (_ld(xr, c) - mur[c]) * scr[c] + shr[c])
+                _st(yr, c, fmt, (_ld(xr, c, fmt) - mur[c]) * scr[c] + shr[c])
 
 
 @njit(**_JIT)
-def _cl_bwd_sums(g, x, parts, mu, rs, psg, psgx):
+def _cl_bwd_sums(g, x, parts, mu, rs, psg, psgx, fmt):
     """Per-(n, c) partial sums of g and g * xhat over each range of S; x, g: (N, S, C),
     mu, rs: (N, C); psg, psgx: (N, parts, C) float64."""
     n_, s_, c_ = x.shape
@@ -382,13 +400,13 @@ def _cl_bwd_sums(g, x, parts, mu, rs, psg, psgx):
         for s in range(p * plen, min(s_, (p + 1) * plen)):
             xr, gr = x[n, s], g[n, s]                              # C
             for c in range(c_):
-                gi = _ld(gr, c)
+                gi = _ld(gr, c, fmt)
                 a[c] += gi
-                q[c] += gi * ((_ld(xr, c) - mur[c]) * rsr[c])
+                q[c] += gi * ((_ld(xr, c, fmt) - mur[c]) * rsr[c])
 
 
 @njit(**_JIT)
-def _cl_bwd_apply(g, x, dx, parts, mu, k1, k2, k3):
+def _cl_bwd_apply(g, x, dx, parts, mu, k1, k2, k3, fmt):
     """dx = g * k1 - (x - mu) * k2 - k3 with per-(n, c) coefficients (N, C)."""
     n_, s_, c_ = x.shape
     plen = (s_ + parts - 1) // parts
@@ -398,7 +416,7 @@ def _cl_bwd_apply(g, x, dx, parts, mu, k1, k2, k3):
         for s in range(p * plen, min(s_, (p + 1) * plen)):
             xr, gr, dxr = x[n, s], g[n, s], dx[n, s]               # C
             for c in range(c_):
-                _st(dxr, c, _ld(gr, c) * k1r[c] - (_ld(xr, c) - mur[c]) * k2r[c] - k3r[c])
+                _st(dxr, c, fmt, _ld(gr, c, fmt) * k1r[c] - (_ld(xr, c, fmt) - mur[c]) * k2r[c] - k3r[c])
 
 
 # ---------------------------------------------------------------------------------------
@@ -479,6 +497,7 @@ def _merge(mean, m2, count, axes):
 
 def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
     nt = _threads()
+    fmt = _FMT.get(x.dtype, 0)
     sdtype = stat_dtype(x.dtype)
     fixed = mean is not None
     y = torch.empty_like(x)                                        # keeps channels_last
@@ -489,7 +508,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         w, b = _params(weight, bias, k, sdtype)
         mean, rstd, var = (torch.empty(m, dtype=sdtype) for _ in range(3))
         _rows_fwd(_np(x), _np(y), _np(w), _np(b), float(eps), bool(center),
-                  _np(mean), _np(rstd), _np(var))
+                  _np(mean), _np(rstd), _np(var), fmt)
         return y, mean.view(shape), rstd.view(shape), var.view(shape)
 
     x3, y3 = _ncs(x, grouping), _ncs(y, grouping)
@@ -507,7 +526,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         else:
             mean_u, rstd_u, var_u = (torch.empty(units, dtype=sdtype) for _ in range(3))
         _units_fwd(_np(x3), _np(y3), _np(w), _np(b), float(eps), groups, by_channel, fixed,
-                   _np(mean_u), _np(rstd_u), _np(var_u))
+                   _np(mean_u), _np(rstd_u), _np(var_u), fmt)
         if fixed:
             return y, mean, rstd, None
         return y, mean_u.view(shape), rstd_u.view(shape), var_u.view(shape)
@@ -523,7 +542,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         pmean = np.empty((n, parts, c))
         pm2 = np.empty((n, parts, c))
         rb = max(1, _BLOCK_BYTES // (c * x.element_size()))
-        _cl_moments(xt, parts, rb, pmean, pm2)
+        _cl_moments(xt, parts, rb, pmean, pm2, fmt)
         plen = -(-s // parts)
         count = np.clip(s - plen * np.arange(parts), 0, plen).reshape(1, parts, 1)
         gmean, gm2, total = _merge(pmean, pm2, count.astype(np.float64), (1,))   # N,1,C
@@ -542,7 +561,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         rstd_nc = _np(_stats_nc(rstd, grouping, n, c)).astype(np.float64)
     sc = (rstd_nc * _np(w)).astype(_NP_STAT[sdtype])
     sh = np.broadcast_to(_np(b), (n, c)).astype(_NP_STAT[sdtype])
-    _cl_apply(xt, yt, parts, mean_nc.astype(_NP_STAT[sdtype]), sc, sh)
+    _cl_apply(xt, yt, parts, mean_nc.astype(_NP_STAT[sdtype]), sc, sh, fmt)
     return y, mean, rstd, var
 
 
@@ -556,6 +575,7 @@ def _parts(n, s, nt):
 
 def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     nt = _threads()
+    fmt = _FMT.get(x.dtype, 0)
     sdtype = mean.dtype
     layout = _layout(x, grouping)
     if layout == "rows":
@@ -566,7 +586,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         dwp = np.zeros((nt, k), dtype=_NP_STAT[sdtype])
         dbp = np.zeros((nt, k), dtype=_NP_STAT[sdtype])
         _rows_bwd(_np(grad), _np(x), _np(w), _np(mean.reshape(m)), _np(rstd.reshape(m)),
-                  bool(center), _np(dx), dwp, dbp)
+                  bool(center), _np(dx), dwp, dbp, fmt)
         dw = torch.from_numpy(dwp.sum(0)).view(1, k) if needs[1] else None
         db = torch.from_numpy(dbp.sum(0)).view(1, k) if needs[2] else None
         return (dx if needs[0] else None), dw, db
@@ -588,7 +608,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         sg = np.empty((n, c), dtype=_NP_STAT[sdtype])
         sgx = np.empty((n, c), dtype=_NP_STAT[sdtype])
         _units_bwd(_np(g3), _np(x3), _np(w), _np(mean_u), _np(rstd_u), groups, by_channel,
-                   bool(center), bool(fixed), _np(dx), sg, sgx)
+                   bool(center), bool(fixed), _np(dx), sg, sgx, fmt)
         sg64, sgx64 = sg.astype(np.float64), sgx.astype(np.float64)
     else:
         g3 = grad.reshape(n, c, s)
@@ -600,7 +620,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         rstd_nc = _np(_stats_nc(rstd, grouping, n, c))
         psg = np.empty((n, parts, c))
         psgx = np.empty((n, parts, c))
-        _cl_bwd_sums(gt, xt, parts, mean_nc, rstd_nc, psg, psgx)
+        _cl_bwd_sums(gt, xt, parts, mean_nc, rstd_nc, psg, psgx, fmt)
         sg64, sgx64 = psg.sum(1), psgx.sum(1)                                   # N, C
         w64 = _np(w).astype(np.float64)
         if fixed:
@@ -619,7 +639,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         st = _NP_STAT[sdtype]
         k1, k2, k3 = (r64 * w64).astype(st), (r64 * r64 * c1).astype(st), (r64 * c2).astype(st)
         dx3 = torch.empty_like(x3)
-        _cl_bwd_apply(gt, xt, _np(dx3).transpose(0, 2, 1), parts, mean_nc, k1, k2, k3)
+        _cl_bwd_apply(gt, xt, _np(dx3).transpose(0, 2, 1), parts, mean_nc, k1, k2, k3, fmt)
         dx = dx3
     dw = db = None
     if needs[1]:

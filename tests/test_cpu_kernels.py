@@ -1,0 +1,298 @@
+"""The fused numba CPU kernels (``normkit.backends.cpu``) against torch and the reference.
+
+Every op, dtype (float64, float32, bfloat16, float16) and layout (contiguous,
+channels_last), odd shapes, forward and backward, fixed (eval) statistics. Half-precision
+results are compared with the float64 reference evaluated on the same (rounded) inputs,
+with a tolerance of a few units in the last place of the output dtype.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("numba")
+
+import normkit.functional as NF  # noqa: E402
+from normkit import backends, reference  # noqa: E402
+from normkit import grouping as G  # noqa: E402
+from normkit.backends import cpu, torch_ops  # noqa: E402
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+# max |a - b| / max |b| allowed, per dtype
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+CL = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def _close(got, want, dtype, what):
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    scale = max(np.abs(want).max(), 1e-6)
+    err = np.abs(got - want).max() / scale
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+def _np(t):
+    return None if t is None else t.detach().double().numpy()
+
+
+def _inputs(shape, dtype, c, layout="contiguous", offset=0.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + offset).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=CL[len(shape)])
+    w = (torch.rand(c, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    b = torch.randn(c, generator=gen, dtype=torch.float64).to(dtype)
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    if layout == "channels_last":
+        dy = dy.contiguous(memory_format=CL[len(shape)])
+    return x, w, b, dy
+
+
+def _run(fn, x, w, b, dy):
+    """Forward and backward of ``fn(x, w, b)``: (y, dx, dw, db)."""
+    x = x.detach().requires_grad_(True)
+    w = w.detach().requires_grad_(True)
+    b = None if b is None else b.detach().requires_grad_(True)
+    y = fn(x, w, b)
+    y.backward(dy)
+    return y, x.grad, w.grad, None if b is None else b.grad
+
+
+def _check_against_reference(got, ref_fwd, x, w, b, dy, dtype):
+    y, dx, dw, db = got
+    ry, cache = ref_fwd(_np(x), _np(w), _np(b))
+    rdx, rdw, rdb = reference.normalize_backward(_np(dy), cache)
+    _close(_np(y), ry, dtype, "y")
+    _close(_np(dx), rdx, dtype, "dx")
+    _close(_np(dw), rdw, dtype, "dweight")
+    if db is not None:
+        _close(_np(db), rdb, dtype, "dbias")
+    assert y.dtype == dx.dtype == dtype
+    assert y.is_contiguous(memory_format=_fmt(x)) and dx.is_contiguous(memory_format=_fmt(x))
+
+
+def _fmt(x):
+    if x.dim() in CL and x.is_contiguous(memory_format=CL[x.dim()]) and not x.is_contiguous():
+        return CL[x.dim()]
+    return torch.contiguous_format
+
+
+# ---------------------------------------------------------------------------------------
+# dispatch
+# ---------------------------------------------------------------------------------------
+
+def test_dispatch_picks_the_numba_backend_on_cpu():
+    x = torch.randn(4, 8, 5, 5)
+    assert backends.select(x, G.layer(x.shape, 2)) is cpu
+    assert backends.select(x, G.batch(x.shape)) is cpu
+    assert backends.select(x.to(memory_format=torch.channels_last), G.group(x.shape, 2)) is cpu
+    assert backends.select(x.bfloat16(), G.instance(x.shape), fixed=True) is cpu
+    # what it does not handle falls back to the composite path
+    assert backends.select(x, G.dims(x.shape, (0, 2))) is torch_ops
+    assert backends.select(x.transpose(2, 3), G.layer(x.shape, 1)) is torch_ops
+    assert backends.select(x.to(torch.int32), G.layer(x.shape, 1)) is torch_ops
+
+
+def test_functional_runs_the_numba_kernels(monkeypatch):
+    calls = []
+    real = cpu._rows_fwd
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(cpu, "_rows_fwd", spy)
+    NF.layer_norm(torch.randn(3, 7), [7])
+    assert calls
+
+
+# ---------------------------------------------------------------------------------------
+# LayerNorm / RMSNorm
+# ---------------------------------------------------------------------------------------
+
+LAYER_SHAPES = [((5, 123, 123), 1), ((3, 7), 1), ((1, 1536), 1), ((4, 3, 5), 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,k", LAYER_SHAPES, ids=str)
+def test_layer_norm(shape, k, dtype):
+    ns = shape[-k:]
+    x, w, b, dy = _inputs(shape, dtype, 1, offset=3.0)
+    w, b = w.new_ones(ns) + 0.1 * torch.randn(ns).to(dtype), torch.randn(ns).to(dtype)
+    got = _run(lambda x, w, b: NF.layer_norm(x, ns, w, b), x, w, b, dy)
+    _check_against_reference(got, lambda x, w, b: reference.layer_norm_forward(x, ns, w, b),
+                             x, w, b, dy, dtype)
+    want = _run(lambda x, w, b: F.layer_norm(x, ns, w, b), x, w, b, dy)
+    for g, t, name in zip(got, want, ("y", "dx", "dweight", "dbias")):
+        _close(_np(g), _np(t), dtype, f"{name} vs torch")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,k", LAYER_SHAPES, ids=str)
+def test_rms_norm(shape, k, dtype):
+    ns = shape[-k:]
+    x, _, _, dy = _inputs(shape, dtype, 1)
+    w = (torch.rand(ns) + 0.5).to(dtype)
+    eps = 1e-6
+    got = _run(lambda x, w, b: NF.rms_norm(x, ns, w, eps), x, w, None, dy)
+    _check_against_reference(got, lambda x, w, b: reference.rms_norm_forward(x, ns, w, eps),
+                             x, w, None, dy, dtype)
+    want = _run(lambda x, w, b: F.rms_norm(x, ns, w, eps), x, w, None, dy)
+    for g, t, name in zip(got, want, ("y", "dx", "dweight")):
+        _close(_np(g), _np(t), dtype, f"{name} vs torch")
+
+
+def test_layer_norm_large_offset_small_spread_and_constant_rows():
+    # values near 1e6 with a spread of 1: the variance must survive (no E[x^2] - E[x]^2);
+    # the fp32 mean itself is rounded to half an ulp of 1e6 (0.03), which bounds y's error
+    x = (1e6 + torch.randn(64, 300, dtype=torch.float64)).float()
+    x[3] = 1e6 + 0.5                                        # a constant row: var = 0
+    w, b = torch.rand(300) + 0.5, torch.randn(300)
+    grouping = G.layer(x.shape, 1)
+    y, mean, rstd, var = cpu.forward(x, grouping, w, b, 1e-5)
+    ry, cache = reference.layer_norm_forward(_np(x), [300], _np(w), _np(b))
+    assert torch.isfinite(y).all()
+    np.testing.assert_allclose(_np(rstd), cache["rstd"], rtol=1e-4)
+    np.testing.assert_allclose(_np(mean), cache["mean"], rtol=1e-7)
+    np.testing.assert_allclose(_np(y), ry, atol=2e-3, rtol=0)
+    np.testing.assert_allclose(_np(y[3]), _np(b), atol=1e-6)
+    x64 = x.double() + torch.randn(64, 300, dtype=torch.float64) * 1e-3
+    y64 = NF.layer_norm(x64, [300], w.double(), b.double())
+    ry64, _ = reference.layer_norm_forward(_np(x64), [300], _np(w), _np(b))
+    np.testing.assert_allclose(_np(y64), ry64, atol=1e-6)
+
+
+def test_layer_norm_without_affine_and_with_expanded_grad():
+    x = torch.randn(6, 33, requires_grad=True)
+    y = NF.layer_norm(x, [33])
+    y.sum().backward()                                      # grad has zero strides
+    xr = x.detach().clone().requires_grad_(True)
+    F.layer_norm(xr, [33]).sum().backward()
+    torch.testing.assert_close(y, F.layer_norm(xr.detach(), [33]))
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# Batch / Instance / GroupNorm, contiguous and channels_last
+# ---------------------------------------------------------------------------------------
+
+NCHW_SHAPES = [(5, 12, 7, 9), (1, 6, 3, 5), (2, 4, 3, 4, 5), (3, 6, 17)]
+LAYOUTS = ["contiguous", "channels_last"]
+
+
+def _layouts_for(shape):
+    return LAYOUTS if len(shape) in CL else LAYOUTS[:1]
+
+
+def _cases(shapes=NCHW_SHAPES):
+    return [(s, lay, dt) for s in shapes for lay in _layouts_for(s) for dt in DTYPES]
+
+
+@pytest.mark.parametrize("shape,layout,dtype", _cases(), ids=str)
+def test_group_norm(shape, layout, dtype):
+    c = shape[1]
+    groups = 3 if c % 3 == 0 else 2
+    x, w, b, dy = _inputs(shape, dtype, c, layout, offset=-2.0)
+    got = _run(lambda x, w, b: NF.group_norm(x, groups, w, b), x, w, b, dy)
+    _check_against_reference(
+        got, lambda x, w, b: reference.group_norm_forward(x, groups, w, b), x, w, b, dy, dtype)
+    want = _run(lambda x, w, b: F.group_norm(x, groups, w, b), x, w, b, dy)
+    for g, t, name in zip(got, want, ("y", "dx", "dweight", "dbias")):
+        _close(_np(g), _np(t), dtype, f"{name} vs torch")
+
+
+@pytest.mark.parametrize("shape,layout,dtype", _cases(NCHW_SHAPES + [(7, 6)]), ids=str)
+def test_batch_norm_training(shape, layout, dtype):
+    c = shape[1]
+    x, w, b, dy = _inputs(shape, dtype, c, layout, offset=1.5)
+    sd = dtype                                              # torch wants the same dtype
+    rm, rv = torch.zeros(c, dtype=sd), torch.ones(c, dtype=sd)
+    got = _run(lambda x, w, b: NF.batch_norm(x, rm, rv, w, b, training=True), x, w, b, dy)
+    _check_against_reference(
+        got, lambda x, w, b: reference.batch_norm_forward(x, None, None, w, b, True),
+        x, w, b, dy, dtype)
+    trm, trv = torch.zeros(c, dtype=sd), torch.ones(c, dtype=sd)
+    want = _run(lambda x, w, b: F.batch_norm(x, trm, trv, w, b, training=True), x, w, b, dy)
+    for g, t, name in zip(got, want, ("y", "dx", "dweight", "dbias")):
+        _close(_np(g), _np(t), dtype, f"{name} vs torch")
+    tol = max(TOL[dtype], 1e-6)
+    torch.testing.assert_close(rm, trm, atol=tol, rtol=tol)
+    torch.testing.assert_close(rv, trv, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("shape,layout,dtype", _cases(NCHW_SHAPES[:2]), ids=str)
+def test_batch_norm_eval(shape, layout, dtype):
+    c = shape[1]
+    x, w, b, dy = _inputs(shape, dtype, c, layout)
+    rm = torch.randn(c, dtype=torch.float64).to(dtype)     # torch wants the input's dtype
+    rv = (torch.rand(c, dtype=torch.float64) + 0.5).to(dtype)
+    got = _run(lambda x, w, b: NF.batch_norm(x, rm, rv, w, b, training=False), x, w, b, dy)
+    _check_against_reference(
+        got, lambda x, w, b: reference.batch_norm_forward(x, _np(rm), _np(rv), w, b, False),
+        x, w, b, dy, dtype)
+    want = _run(lambda x, w, b: F.batch_norm(x, rm, rv, w, b, training=False), x, w, b, dy)
+    for g, t, name in zip(got, want, ("y", "dx", "dweight", "dbias")):
+        _close(_np(g), _np(t), dtype, f"{name} vs torch")
+
+
+@pytest.mark.parametrize("shape,layout,dtype", _cases(), ids=str)
+def test_instance_norm(shape, layout, dtype):
+    c = shape[1]
+    x, w, b, dy = _inputs(shape, dtype, c, layout, offset=4.0)
+    got = _run(lambda x, w, b: NF.instance_norm(x, weight=w, bias=b), x, w, b, dy)
+    _check_against_reference(
+        got, lambda x, w, b: reference.instance_norm_forward(x, w, b), x, w, b, dy, dtype)
+    # torch on contiguous copies: torch 2.13's instance_norm backward is wrong for a
+    # channels_last input with N = 1 (dx differs from the contiguous case)
+    want = _run(lambda x, w, b: F.instance_norm(x, weight=w, bias=b), x.contiguous(), w, b,
+                dy.contiguous())
+    for g, t, name in zip(got, want, ("y", "dx", "dweight", "dbias")):
+        _close(_np(g), _np(t), dtype, f"{name} vs torch")
+
+
+@pytest.mark.parametrize("shape,layout,dtype", _cases(NCHW_SHAPES[:1]), ids=str)
+def test_instance_norm_fixed_statistics(shape, layout, dtype):
+    c = shape[1]
+    x, w, b, dy = _inputs(shape, dtype, c, layout)
+    rm = torch.randn(c, dtype=torch.float64).float()
+    rv = (torch.rand(c, dtype=torch.float64) + 0.5).float()
+    got = _run(lambda x, w, b: NF.instance_norm(x, rm, rv, w, b, use_input_stats=False),
+               x, w, b, dy)
+    _check_against_reference(
+        got, lambda x, w, b: reference.instance_norm_forward(
+            x, w, b, running_mean=_np(rm), running_var=_np(rv), use_input_stats=False),
+        x, w, b, dy, dtype)
+
+
+def test_batch_norm_channels_last_expanded_grad_and_no_affine():
+    x = torch.randn(4, 8, 6, 5).to(memory_format=torch.channels_last).requires_grad_(True)
+    NF.batch_norm(x, None, None, training=True).sum().backward()
+    xr = x.detach().clone().requires_grad_(True)
+    F.batch_norm(xr, None, None, training=True).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# normkit bench, end to end
+# ---------------------------------------------------------------------------------------
+
+def test_bench_quick_json(capsys):
+    from normkit.cli import main
+
+    rc = main(["bench", "--quick", "--json", "--no-progress", "--repeats", "1",
+               "--ops", "layer_norm", "batch_norm", "--dtypes", "float32"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["allocators"]) == {"default", "no-mmap"}
+    assert report["allocators"]["no-mmap"]["environment"]["malloc_mmap_max"] == "0"
+    rows = report["allocators"]["default"]["results"]
+    assert {r["op"] for r in rows} == {"layer_norm", "batch_norm"}
+    assert {r["layout"] for r in rows} == {"contiguous", "channels_last"}
+    for r in rows:
+        assert r["normkit_s"] > 0 and r["torch_s"] > 0 and r["copy_s"] > 0
+        assert r["normkit_over_torch"] == pytest.approx(r["normkit_s"] / r["torch_s"])
