@@ -276,8 +276,8 @@ def _fmt_tensor(a, decimals=4) -> str:
     blocks = []
     for block in a:
         rows = ["[" + ", ".join(f"{v:{width}.{decimals}f}" for v in row) + "]" for row in block]
-        blocks.append("[" + ",\n   ".join(rows) + "]")
-    return "[" + ",\n\n  ".join(blocks) + "]"
+        blocks.append("[" + ",\n  ".join(rows) + "]")
+    return "[" + ",\n\n ".join(blocks) + "]"
 
 
 def _num(v) -> str:

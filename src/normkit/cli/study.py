@@ -24,7 +24,7 @@ def register(subparsers) -> None:
                                      "rms (default: all available)")
     p.add_argument("--batch-sizes", help="comma-separated (default 2,4,8,16,32,64; --quick: 4,16)")
     p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2; --quick: 0)")
-    p.add_argument("--epochs", type=int, help="epochs for every batch size (default 6; --quick: 1)")
+    p.add_argument("--epochs", type=int, help="epochs for every batch size (default 4; --quick: 1)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate at batch 32, scaled linearly "
                                                           "with the batch (default 0.05)")
     p.add_argument("--jobs", type=int, help="worker processes (default: 2 or the number of CPUs if fewer; "

@@ -19,7 +19,7 @@ __all__ = ["DEFAULTS", "QUICK", "plan", "run_study", "load_results", "RESULTS_FI
 
 RESULTS_FILE = "results.json"
 
-DEFAULTS = dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=6, n_train=None, n_test=None)
+DEFAULTS = dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=4, n_train=None, n_test=None)
 # --quick: a few seconds, for tests and a first look; not meant to show anything
 QUICK = dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, n_train=192, n_test=96)
 
@@ -55,11 +55,22 @@ def _save(path, results):
 _DATA = {}
 
 
-def _run(task):
-    method, batch_size, seed, protocol = task
+def _one_thread():
+    """One compute thread for torch and for numba (normkit's CPU kernels): the tensors are
+    tiny, so threads only add overhead -- and oversubscribe the CPUs with two workers."""
     import torch
 
-    torch.set_num_threads(1)  # tiny tensors: one thread per process beats two per process
+    torch.set_num_threads(1)
+    try:
+        import numba
+    except ImportError:
+        return
+    numba.set_num_threads(1)
+
+
+def _run(task):
+    method, batch_size, seed, protocol = task
+    _one_thread()
     key = (protocol["n_train"], protocol["n_test"])
     if key not in _DATA:
         _DATA[key] = data_module.load(*key)
@@ -133,44 +144,58 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
         _save(path, results)
 
     start = time.perf_counter()
+    tasks = [(m, b, s, protocol) for (m, b, s) in todo]
+    pool = futures = None
+    if jobs > 1 and len(tasks) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # fork where there is one: spawn would re-run the caller's main module (``python -m
+        # normkit`` has no main guard). The pool forks on the first submit, before the
+        # progress bar starts its monitor thread, so no thread is ever forked.
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(method))
+        futures = {pool.submit(_run, task): task[:3] for task in tasks}
     bar = None
     if progress and todo:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=sum(cost.values()), unit="work", dynamic_ncols=True,
+        bar = tqdm(total=sum(cost.values()), dynamic_ncols=True,
                    bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed} elapsed, {remaining} left]")
         bar.set_description_str(f"{len(wanted) - len(todo)}/{len(wanted)} runs")
-    tasks = [(m, b, s, protocol) for (m, b, s) in todo]
+
+    def done(r):
+        key = (r["method"], r["batch_size"], r["seed"])
+        runs[key] = r
+        store()
+        if bar is not None:
+            bar.update(cost[key])
+            bar.set_description_str(f"{len(runs)}/{len(wanted)} runs")
+
     try:
-        if jobs <= 1:
+        if pool is None:
             import torch
 
             threads = torch.get_num_threads()
             try:
                 for task in tasks:
-                    r = _run(task)
-                    runs[(r["method"], r["batch_size"], r["seed"])] = r
-                    store()
-                    if bar is not None:
-                        bar.update(cost[task[:3]])
-                        bar.set_description_str(f"{len(runs)}/{len(wanted)} runs")
+                    done(_run(task))
             finally:
                 torch.set_num_threads(threads)
-        else:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor, as_completed
+                try:
+                    import numba
 
-            ctx = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-                futures = {pool.submit(_run, task): task[:3] for task in tasks}
-                for fut in as_completed(futures):
-                    r = fut.result()
-                    runs[(r["method"], r["batch_size"], r["seed"])] = r
-                    store()
-                    if bar is not None:
-                        bar.update(cost[futures[fut]])
-                        bar.set_description_str(f"{len(runs)}/{len(wanted)} runs")
+                    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+                except ImportError:
+                    pass
+        else:
+            from concurrent.futures import as_completed
+
+            for fut in as_completed(futures):
+                done(fut.result())
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         if bar is not None:
             bar.close()
     store()

@@ -51,7 +51,7 @@ CURVE_POINTS = 60     # windows in a run's training-loss curve (at most)
 class TrainConfig(dict):
     """The protocol's knobs, a plain dict so it goes into results.json as it is."""
 
-    def __init__(self, epochs=8, base_lr=0.05, momentum=0.9, weight_decay=5e-4, warmup_epochs=1.0,
+    def __init__(self, epochs=4, base_lr=0.05, momentum=0.9, weight_decay=5e-4, warmup_epochs=1.0,
                  eval_batch=256):
         super().__init__(epochs=epochs, base_lr=base_lr, momentum=momentum, weight_decay=weight_decay,
                          warmup_epochs=warmup_epochs, eval_batch=eval_batch,
