@@ -28,7 +28,7 @@ import importlib
 from normkit.backends import torch_ops
 
 # optional fast paths, tried first; each module imports its own JIT lazily
-_OPTIONAL = ("cpu",)
+_OPTIONAL = ("cpu", "gpu")
 _loaded = None
 
 

@@ -1,0 +1,331 @@
+"""Triton kernels of the GPU backend; imported by ``normkit.backends.gpu`` on first use.
+
+Two families, both with fp32 statistics and one cast of each output:
+
+``_rows_*``   LayerNorm / RMSNorm over rows of K elements (an (M, K) view whose last
+              dim is contiguous), optionally adding a residual first.
+``_units_*``  Batch/Instance/GroupNorm over an (N, C, S) view with any strides
+              (contiguous NCHW, channels_last, ...): tiles of (channels x positions).
+
+Every kernel loops over blocks of its row or tile, so any size works; ``SINGLE`` (the row
+fits one block) keeps the row in registers between the statistics and the output. The
+math and its derivation are in ``normkit.reference``; the launchers, block sizes and the
+second-stage reductions are in ``normkit.backends.gpu``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+# ---------------------------------------------------------------------------------------
+# rows: LayerNorm / RMSNorm (+ residual)
+# ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _load_row(X, R, H, offs, mask, HAS_RES: tl.constexpr, STORE_H: tl.constexpr):
+    """One block of the row to normalize, in fp32. With a residual it is ``h = x + r``
+    rounded to the storage dtype (what ``F.layer_norm(x + r)`` sees), stored once to H
+    when ``STORE_H``."""
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h = (x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty)
+        if STORE_H:
+            tl.store(H + offs, h, mask=mask)
+        x = h.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rows_fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, Var, K, stride_row, eps,
+                     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                     CENTER: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: ``y = (h - mean) * rstd * w + b``, ``h = x (+ r)``.
+
+    Statistics: each block's mean and M2 by a two-pass in registers, merged into the
+    row's by Chan's rule (``delta = mean_new - mean_old``, ``M2 += M2_new + delta^2 *
+    n_old * n_new / n``), so the row is read once for them and once for the output --
+    never E[x^2] - E[x]^2. Without centering (RMSNorm) mean = 0 and var = mean(x^2).
+    X, R, H, Y share ``stride_row``; Mean, Rstd, Var: (M,) fp32.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    base = row * stride_row
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:                                                     # the row is one block
+        mask = cols < K
+        x = _load_row(X + base, R + base, H + base, cols, mask, HAS_RES, True)   # BLOCK
+        if CENTER:
+            mean = tl.sum(x, axis=0) / K
+        else:
+            mean = 0.0
+        d = tl.where(mask, x - mean, 0.0)                          # BLOCK
+        var = tl.sum(d * d, axis=0) / K
+        rstd = tl.math.rsqrt(var + eps)
+        y = d * rstd
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + base + cols, y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        mean = 0.0                                                 # running Chan merge
+        m2 = 0.0
+        cnt = 0.0                                                  # elements merged so far
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + cols
+            mask = offs < K
+            x = _load_row(X + base, R + base, H + base, offs, mask, HAS_RES, True)
+            nb = tl.minimum(K - k0, BLOCK).to(tl.float32)         # elements in the block
+            if CENTER:
+                bmean = tl.sum(x, axis=0) / nb
+                d = tl.where(mask, x - bmean, 0.0)
+                bm2 = tl.sum(d * d, axis=0)
+                delta = bmean - mean
+                mean = mean + delta * (nb / (cnt + nb))
+                m2 = m2 + bm2 + delta * delta * (cnt * nb / (cnt + nb))
+            else:
+                m2 = m2 + tl.sum(x * x, axis=0)
+            cnt = cnt + nb
+        var = m2 / K
+        rstd = tl.math.rsqrt(var + eps)
+        for k0 in range(0, K, BLOCK):                              # second read: output
+            offs = k0 + cols
+            mask = offs < K
+            x = _load_row(X + base, R + base, H + base, offs, mask, HAS_RES, False)
+            y = (x - mean) * rstd
+            if HAS_W:
+                y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_B:
+                y = y + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(Y + base + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+    tl.store(Var + row, var)
+
+
+@triton.jit
+def _xhat(S, W, B, offs, mask, mean, rstd, FROM_Y: tl.constexpr, HAS_W: tl.constexpr,
+          HAS_B: tl.constexpr):
+    """The normalized input of a block, recomputed: ``(x - mean) * rstd`` from the saved
+    input, or ``(y - b) / w`` from the saved output (memory-saving backward)."""
+    s = tl.load(S + offs, mask=mask, other=0.0).to(tl.float32)
+    if FROM_Y:
+        if HAS_B:
+            s = s - tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            s = s / tl.load(W + offs, mask=mask, other=1.0).to(tl.float32)
+    else:
+        s = tl.where(mask, (s - mean) * rstd, 0.0)
+    return s
+
+
+@triton.jit
+def _rows_bwd_kernel(G, S, GH, W, B, Mean, Rstd, DX, DWp, DBp, M, K, rows_per_prog,
+                     stride_g, stride_s, stride_gh, stride_dx,
+                     HAS_GH: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                     CENTER: tl.constexpr, FROM_Y: tl.constexpr, SINGLE: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """dx of rows ``[pid * rows_per_prog, ...)``; with ``SINGLE`` also this program's
+    partial ``dw = sum(g * xhat)`` and ``db = sum(g)`` into row ``pid`` of DWp, DBp.
+
+    With ``dxhat = g * w``, ``c1 = mean(dxhat * xhat)`` and ``c2 = mean(dxhat)`` over the
+    row (``c2 = 0`` without centering)::
+
+        dx = rstd * (dxhat - c2 - xhat * c1)   (+ gh: the gradient reaching h directly)
+
+    S is the saved input (``FROM_Y = False``) or output (``FROM_Y``, then xhat =
+    (y - b) / w, the precondition w != 0 checked by the caller).
+    """
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    row0 = pid.to(tl.int64) * rows_per_prog                       # 64-bit offsets
+    row1 = tl.minimum(row0 + rows_per_prog, M)
+    if SINGLE:
+        mask = cols < K
+        if HAS_W:
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)     # BLOCK
+        dw = tl.zeros([BLOCK], dtype=tl.float32)
+        db = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in range(row0, row1):
+            mean = tl.load(Mean + r)
+            rstd = tl.load(Rstd + r)
+            g = tl.load(G + r * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+            xh = _xhat(S + r * stride_s, W, B, cols, mask, mean, rstd, FROM_Y, HAS_W, HAS_B)
+            dxh = g                                                # BLOCK
+            if HAS_W:
+                dxh = g * w
+            c1 = tl.sum(dxh * xh, axis=0) / K                      # variance path
+            if CENTER:
+                c2 = tl.sum(dxh, axis=0) / K                       # mean path
+            else:
+                c2 = 0.0
+            dx = (dxh - c2 - xh * c1) * rstd
+            if HAS_GH:
+                dx = dx + tl.load(GH + r * stride_gh + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + r * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += g * xh
+            db += g
+        tl.store(DWp + pid * K + cols, dw, mask=mask)
+        tl.store(DBp + pid * K + cols, db, mask=mask)
+    else:                                                          # dw, db: _rows_param_kernel
+        for r in range(row0, row1):
+            mean = tl.load(Mean + r)
+            rstd = tl.load(Rstd + r)
+            c1 = 0.0
+            c2 = 0.0
+            for k0 in range(0, K, BLOCK):
+                offs = k0 + cols
+                mask = offs < K
+                g = tl.load(G + r * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+                xh = _xhat(S + r * stride_s, W, B, offs, mask, mean, rstd, FROM_Y, HAS_W,
+                           HAS_B)
+                if HAS_W:
+                    g = g * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+                c1 += tl.sum(g * xh, axis=0)
+                c2 += tl.sum(g, axis=0)
+            c1 = c1 / K
+            if CENTER:
+                c2 = c2 / K
+            else:
+                c2 = 0.0
+            for k0 in range(0, K, BLOCK):                          # the row again, from L2
+                offs = k0 + cols
+                mask = offs < K
+                g = tl.load(G + r * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+                xh = _xhat(S + r * stride_s, W, B, offs, mask, mean, rstd, FROM_Y, HAS_W,
+                           HAS_B)
+                if HAS_W:
+                    g = g * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+                dx = (g - c2 - xh * c1) * rstd
+                if HAS_GH:
+                    dx = dx + tl.load(GH + r * stride_gh + offs, mask=mask,
+                                      other=0.0).to(tl.float32)
+                tl.store(DX + r * stride_dx + offs, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rows_param_kernel(G, S, W, B, Mean, Rstd, DWp, DBp, M, K, rows_per_prog,
+                       stride_g, stride_s, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                       FROM_Y: tl.constexpr, BLOCK: tl.constexpr):
+    """Partial ``dw = sum(g * xhat)``, ``db = sum(g)`` of one column block over one chunk
+    of rows (program (p, j) writes row p, block j of DWp, DBp): the first of the two
+    reduction stages when a row does not fit one block."""
+    pid = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < K
+    row0 = pid.to(tl.int64) * rows_per_prog                       # 64-bit offsets
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    db = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in range(row0, tl.minimum(row0 + rows_per_prog, M)):
+        g = tl.load(G + r * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+        xh = _xhat(S + r * stride_s, W, B, offs, mask, tl.load(Mean + r), tl.load(Rstd + r),
+                   FROM_Y, HAS_W, HAS_B)
+        dw += g * xh
+        db += g
+    tl.store(DWp + pid * K + offs, dw, mask=mask)
+    tl.store(DBp + pid * K + offs, db, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------
+# units: Batch/Instance/GroupNorm over an (N, C, S) view with any strides
+# ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _units_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
+                          BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Per-(n, c) mean and M2 over one range of positions: program (n, cb, p) covers the
+    channels ``[cb * BLOCK_C, ...)`` and positions ``[p * s_per_part, ...)`` of sample n,
+    in (BLOCK_C x BLOCK_S) tiles -- a two-pass per tile in registers, Chan-merged across
+    tiles. Writes PMean[n, p, c], PM2[n, p, c] (fp32, (N, P, C) contiguous); the merge of
+    the parts into each group's statistics is the launcher's second stage."""
+    n = tl.program_id(0).to(tl.int64)
+    cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)      # BLOCK_C
+    p = tl.program_id(2)
+    cmask = cs < C
+    s0 = p * s_per_part
+    s1 = tl.minimum(s0 + s_per_part, S)
+    mean = tl.zeros([BLOCK_C], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    cnt = 0.0                                                      # positions merged so far
+    base = X + n * sxn + cs[:, None].to(tl.int64) * sxc
+    for sb in range(s0, s1, BLOCK_S):
+        ss = sb + tl.arange(0, BLOCK_S)                            # BLOCK_S
+        mask = cmask[:, None] & (ss < s1)[None, :]                 # BLOCK_C, BLOCK_S
+        x = tl.load(base + ss[None, :].to(tl.int64) * sxs, mask=mask, other=0.0).to(tl.float32)
+        nb = tl.minimum(s1 - sb, BLOCK_S).to(tl.float32)
+        bmean = tl.sum(x, axis=1) / nb                             # BLOCK_C
+        d = tl.where(mask, x - bmean[:, None], 0.0)
+        bm2 = tl.sum(d * d, axis=1)
+        delta = bmean - mean
+        mean = mean + delta * (nb / (cnt + nb))
+        m2 = m2 + bm2 + delta * delta * (cnt * nb / (cnt + nb))
+        cnt = cnt + nb
+    out = (n * tl.num_programs(2) + p) * C + cs
+    tl.store(PMean + out, mean, mask=cmask)
+    tl.store(PM2 + out, m2, mask=cmask)
+
+
+@triton.jit
+def _units_bwd_sums_kernel(G, X, Mu, Rs, PSg, PSgx, C, S, s_per_part, sgn, sgc, sgs,
+                           sxn, sxc, sxs, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Per-(n, c) partial sums of ``g`` and ``g * xhat`` over one range of positions (the
+    tiling of ``_units_moments_kernel``); Mu, Rs: per-(n, c) statistics, (N, C) fp32.
+    These are dbias and dweight before the sums over parts and samples, and the group
+    sums c1, c2 of the input gradient."""
+    n = tl.program_id(0).to(tl.int64)
+    cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    p = tl.program_id(2)
+    cmask = cs < C
+    s0 = p * s_per_part
+    s1 = tl.minimum(s0 + s_per_part, S)
+    mu = tl.load(Mu + n * C + cs, mask=cmask, other=0.0)           # BLOCK_C
+    rs = tl.load(Rs + n * C + cs, mask=cmask, other=0.0)
+    sg = tl.zeros([BLOCK_C], dtype=tl.float32)
+    sgx = tl.zeros([BLOCK_C], dtype=tl.float32)
+    c64 = cs[:, None].to(tl.int64)
+    for sb in range(s0, s1, BLOCK_S):
+        ss = (sb + tl.arange(0, BLOCK_S))[None, :]
+        mask = cmask[:, None] & (ss < s1)
+        s64 = ss.to(tl.int64)
+        g = tl.load(G + n * sgn + c64 * sgc + s64 * sgs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + n * sxn + c64 * sxc + s64 * sxs, mask=mask, other=0.0).to(tl.float32)
+        xh = (x - mu[:, None]) * rs[:, None]                       # BLOCK_C, BLOCK_S
+        sg += tl.sum(g, axis=1)
+        sgx += tl.sum(g * xh, axis=1)
+    out = (n * tl.num_programs(2) + p) * C + cs
+    tl.store(PSg + out, sg, mask=cmask)
+    tl.store(PSgx + out, sgx, mask=cmask)
+
+
+@triton.jit
+def _units_affine_kernel(X, G, Y, Mu, A, Bc, K1, C, S, s_per_part, sxn, sxc, sxs,
+                         sgn, sgc, sgs, syn, syc, sys_, HAS_G: tl.constexpr,
+                         BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``y = (x - mu) * a + b (+ g * k1)`` with per-(n, c) coefficients ((N, C) fp32).
+
+    Forward: ``a = rstd * w``, ``b = bias``. Backward (``HAS_G``): ``k1 = rstd * w``,
+    ``a = -rstd^2 * c1``, ``b = -rstd * c2``, i.e. ``dx = rstd * (g * w - c2 - xhat *
+    c1)``. Subtracting the mean before scaling keeps the digits of inputs far from 0."""
+    n = tl.program_id(0).to(tl.int64)
+    cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    p = tl.program_id(2)
+    cmask = cs < C
+    s0 = p * s_per_part
+    s1 = tl.minimum(s0 + s_per_part, S)
+    mu = tl.load(Mu + n * C + cs, mask=cmask, other=0.0)[:, None]  # BLOCK_C, 1
+    a = tl.load(A + n * C + cs, mask=cmask, other=0.0)[:, None]
+    b = tl.load(Bc + n * C + cs, mask=cmask, other=0.0)[:, None]
+    if HAS_G:
+        k1 = tl.load(K1 + n * C + cs, mask=cmask, other=0.0)[:, None]
+    c64 = cs[:, None].to(tl.int64)
+    for sb in range(s0, s1, BLOCK_S):
+        ss = (sb + tl.arange(0, BLOCK_S))[None, :]
+        mask = cmask[:, None] & (ss < s1)
+        s64 = ss.to(tl.int64)
+        x = tl.load(X + n * sxn + c64 * sxc + s64 * sxs, mask=mask, other=0.0).to(tl.float32)
+        y = (x - mu) * a + b                                       # BLOCK_C, BLOCK_S
+        if HAS_G:
+            g = tl.load(G + n * sgn + c64 * sgc + s64 * sgs, mask=mask, other=0.0)
+            y = y + g.to(tl.float32) * k1
+        tl.store(Y + n * syn + c64 * syc + s64 * sys_, y.to(Y.dtype.element_ty), mask=mask)
