@@ -22,7 +22,7 @@ from normkit.autograd import normalize as _normalize
 from normkit.backends.torch_ops import stat_dtype
 
 __all__ = ["batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm", "normalize",
-           "batch_renorm"]
+           "batch_renorm", "add_layer_norm", "add_rms_norm"]
 
 
 def _size(shape) -> list:
@@ -311,3 +311,73 @@ def batch_renorm(input, running_mean, running_var, weight=None, bias=None, train
         _update_running(running_mean, mean.view(c), momentum)
         _update_running(running_var, var.view(c) * (n / (n - 1)), momentum)
     return y
+
+
+def _check_residual(x, residual, op):
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"{op} expects residual to be a Tensor, got {type(residual).__name__}")
+    if residual.dtype != x.dtype:
+        raise TypeError(f"{op} expects x and residual of one dtype, got {x.dtype} and "
+                        f"{residual.dtype}; cast one of them with .to(...)")
+    if residual.device != x.device:
+        raise ValueError(f"{op} expects x and residual on one device, got {x.device} and "
+                         f"{residual.device}; move one of them with .to(...)")
+    if residual.shape != x.shape:
+        raise ValueError(f"{op} expects x and residual of one shape, got {_size(x.shape)} and "
+                         f"{_size(residual.shape)}; broadcast the residual first with "
+                         f"residual.expand_as(x)")
+
+
+def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5, *,
+                   memory_saving=None):
+    r"""Residual add fused with layer normalization: ``(layer_norm(x + residual), x +
+    residual)``, the pre-norm transformer block's pair.
+
+    .. math:: h = x + r, \qquad y = \frac{h - \mathrm{E}[h]}{\sqrt{\mathrm{Var}[h] +
+              \epsilon}} \cdot \gamma + \beta
+
+    ``h`` is computed in the input dtype (as ``x + residual`` is), then normalized as
+    ``layer_norm`` does (biased variance over ``normalized_shape``, fp32 statistics).
+    Gradients flow to ``x`` and ``residual`` through both outputs. On CUDA with triton
+    installed this is one kernel each way; elsewhere it is ``x + residual`` followed by
+    ``layer_norm``.
+
+    ``memory_saving=True`` (default: ``normkit.backends.memory_saving``'s setting) keeps
+    the output instead of ``h`` for the backward and recomputes the normalized input as
+    ``(y - bias) / weight``; it requires every weight element nonzero and falls back to
+    keeping ``h`` when one is 0. See ``docs/gpu.md``.
+
+    Example::
+
+        >>> x, r = torch.randn(4, 8), torch.randn(4, 8)
+        >>> y, h = add_layer_norm(x, r, [8])
+        >>> torch.allclose(h, x + r)
+        True
+    """
+    _check_residual(x, residual, "add_layer_norm")
+    shape = _check_normalized_shape(x, normalized_shape, weight, bias, "add_layer_norm")
+    from normkit.fused import add_norm
+    return add_norm(x, residual, len(shape), weight, bias, eps, True, memory_saving)
+
+
+def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, memory_saving=None):
+    r"""Residual add fused with RMS normalization: ``(rms_norm(x + residual), x +
+    residual)``.
+
+    .. math:: h = x + r, \qquad y = \frac{h}{\sqrt{\mathrm{mean}(h^2) + \epsilon}}
+              \cdot \gamma
+
+    ``eps=None`` uses ``torch.finfo(x.dtype).eps``, as ``rms_norm``. ``memory_saving``
+    as in ``add_layer_norm`` (weight nonzero required; ``xhat = y / weight``).
+
+    Example::
+
+        >>> x, r = torch.randn(4, 8), torch.randn(4, 8)
+        >>> y, h = add_rms_norm(x, r, [8], torch.ones(8))
+    """
+    _check_residual(x, residual, "add_rms_norm")
+    shape = _check_normalized_shape(x, normalized_shape, weight, None, "add_rms_norm")
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    from normkit.fused import add_norm
+    return add_norm(x, residual, len(shape), weight, None, eps, False, memory_saving)

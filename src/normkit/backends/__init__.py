@@ -51,3 +51,41 @@ def select(x, grouping, center=True, fixed=False):
         if backend.supports(x, grouping, center, fixed):
             return backend
     return torch_ops
+
+
+# the memory-saving backward of the residual-add norms (normkit.functional.add_layer_norm,
+# add_rms_norm): process-wide, like torch's global flags
+_memory_saving = False
+
+
+class memory_saving:
+    """Opt in to the memory-saving backward of ``add_layer_norm`` and ``add_rms_norm``.
+
+    That backward keeps the *output* ``y`` instead of the normalized input and recomputes
+    ``xhat = (y - bias) / weight``, so the input can be freed when the next layer keeps
+    ``y`` anyway. It needs every weight element nonzero: with a zero anywhere the op
+    keeps its input as usual (checked at each forward). In half precision ``xhat`` then
+    carries ``y``'s rounding (about 3 significant digits in bfloat16).
+
+    ``memory_saving(True)`` switches it on from now on; ``with memory_saving(True):``
+    only inside the block (the previous setting comes back on exit). A per-call
+    ``memory_saving=`` keyword of the op overrides it.
+    """
+
+    def __init__(self, enabled: bool = True):
+        global _memory_saving
+        self.previous = _memory_saving
+        _memory_saving = bool(enabled)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        global _memory_saving
+        _memory_saving = self.previous
+        return False
+
+
+def memory_saving_enabled() -> bool:
+    """Whether ``memory_saving`` is switched on."""
+    return _memory_saving
