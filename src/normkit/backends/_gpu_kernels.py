@@ -52,14 +52,21 @@ def _rows_fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, Var, K, stride_row, eps,
     row = tl.program_id(0).to(tl.int64)
     base = row * stride_row
     cols = tl.arange(0, BLOCK)
+    # statistics of h - h0, h0 the row's first element: exact differences for data far
+    # from 0 with a small spread (RMSNorm: no shift)
+    x0 = 0.0
+    if CENTER:
+        x0 = tl.sum(_load_row(X + base, R + base, H + base, cols, cols < 1, HAS_RES, False),
+                    axis=0)
     if SINGLE:                                                     # the row is one block
         mask = cols < K
         x = _load_row(X + base, R + base, H + base, cols, mask, HAS_RES, True)   # BLOCK
+        d = tl.where(mask, x - x0, 0.0)                            # BLOCK
         if CENTER:
-            mean = tl.sum(x, axis=0) / K
+            mean = tl.sum(d, axis=0) / K                           # mean - x0
+            d = tl.where(mask, d - mean, 0.0)
         else:
             mean = 0.0
-        d = tl.where(mask, x - mean, 0.0)                          # BLOCK
         var = tl.sum(d * d, axis=0) / K
         rstd = tl.math.rsqrt(var + eps)
         y = d * rstd
@@ -75,7 +82,8 @@ def _rows_fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, Var, K, stride_row, eps,
         for k0 in range(0, K, BLOCK):
             offs = k0 + cols
             mask = offs < K
-            x = _load_row(X + base, R + base, H + base, offs, mask, HAS_RES, True)
+            x = tl.where(mask, _load_row(X + base, R + base, H + base, offs, mask, HAS_RES,
+                                         True) - x0, 0.0)
             nb = tl.minimum(K - k0, BLOCK).to(tl.float32)         # elements in the block
             if CENTER:
                 bmean = tl.sum(x, axis=0) / nb
@@ -93,12 +101,13 @@ def _rows_fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, Var, K, stride_row, eps,
             offs = k0 + cols
             mask = offs < K
             x = _load_row(X + base, R + base, H + base, offs, mask, HAS_RES, False)
-            y = (x - mean) * rstd
+            y = ((x - x0) - mean) * rstd
             if HAS_W:
                 y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_B:
                 y = y + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(Y + base + offs, y.to(Y.dtype.element_ty), mask=mask)
+    mean = mean + x0
     tl.store(Mean + row, mean)
     tl.store(Rstd + row, rstd)
     tl.store(Var + row, var)
@@ -237,7 +246,7 @@ def _units_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
     """Per-(n, c) mean and M2 over one range of positions: program (n, cb, p) covers the
     channels ``[cb * BLOCK_C, ...)`` and positions ``[p * s_per_part, ...)`` of sample n,
     in (BLOCK_C x BLOCK_S) tiles -- a two-pass per tile in registers, Chan-merged across
-    tiles. Writes PMean[n, p, c], PM2[n, p, c] (fp32, (N, P, C) contiguous); the merge of
+    tiles. Writes PMean[n, p, c] (fp64), PM2[n, p, c] (fp32), (N, P, C); the merge of
     the parts into each group's statistics is the launcher's second stage."""
     n = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)      # BLOCK_C
@@ -245,14 +254,18 @@ def _units_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
     cmask = cs < C
     s0 = p * s_per_part
     s1 = tl.minimum(s0 + s_per_part, S)
-    mean = tl.zeros([BLOCK_C], dtype=tl.float32)
+    mean = tl.zeros([BLOCK_C], dtype=tl.float32)                   # mean - x0
     m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
     cnt = 0.0                                                      # positions merged so far
     base = X + n * sxn + cs[:, None].to(tl.int64) * sxc
+    # moments of x - x0, x0 each channel's first value in the part (see the rows kernel)
+    x0 = tl.load(X + n * sxn + cs.to(tl.int64) * sxc + s0.to(tl.int64) * sxs, mask=cmask,
+                 other=0.0).to(tl.float32)                         # BLOCK_C
     for sb in range(s0, s1, BLOCK_S):
         ss = sb + tl.arange(0, BLOCK_S)                            # BLOCK_S
         mask = cmask[:, None] & (ss < s1)[None, :]                 # BLOCK_C, BLOCK_S
         x = tl.load(base + ss[None, :].to(tl.int64) * sxs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.where(mask, x - x0[:, None], 0.0)                   # BLOCK_C, BLOCK_S
         nb = tl.minimum(s1 - sb, BLOCK_S).to(tl.float32)
         bmean = tl.sum(x, axis=1) / nb                             # BLOCK_C
         d = tl.where(mask, x - bmean[:, None], 0.0)
@@ -262,17 +275,18 @@ def _units_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
         m2 = m2 + bm2 + delta * delta * (cnt * nb / (cnt + nb))
         cnt = cnt + nb
     out = (n * tl.num_programs(2) + p) * C + cs
-    tl.store(PMean + out, mean, mask=cmask)
+    tl.store(PMean + out, x0.to(tl.float64) + mean.to(tl.float64), mask=cmask)
     tl.store(PM2 + out, m2, mask=cmask)
 
 
 @triton.jit
-def _units_bwd_sums_kernel(G, X, Mu, Rs, PSg, PSgx, C, S, s_per_part, sgn, sgc, sgs,
+def _units_bwd_sums_kernel(G, X, Mu, MuLo, Rs, PSg, PSgx, C, S, s_per_part, sgn, sgc, sgs,
                            sxn, sxc, sxs, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """Per-(n, c) partial sums of ``g`` and ``g * xhat`` over one range of positions (the
     tiling of ``_units_moments_kernel``); Mu, Rs: per-(n, c) statistics, (N, C) fp32.
     These are dbias and dweight before the sums over parts and samples, and the group
-    sums c1, c2 of the input gradient."""
+    sums c1, c2 of the input gradient. The mean comes as fp32 ``Mu + MuLo`` (hi + lo):
+    ``(x - hi) - lo`` keeps the digits of inputs far from 0."""
     n = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p = tl.program_id(2)
@@ -280,6 +294,7 @@ def _units_bwd_sums_kernel(G, X, Mu, Rs, PSg, PSgx, C, S, s_per_part, sgn, sgc, 
     s0 = p * s_per_part
     s1 = tl.minimum(s0 + s_per_part, S)
     mu = tl.load(Mu + n * C + cs, mask=cmask, other=0.0)           # BLOCK_C
+    mu_lo = tl.load(MuLo + n * C + cs, mask=cmask, other=0.0)
     rs = tl.load(Rs + n * C + cs, mask=cmask, other=0.0)
     sg = tl.zeros([BLOCK_C], dtype=tl.float32)
     sgx = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -290,7 +305,7 @@ def _units_bwd_sums_kernel(G, X, Mu, Rs, PSg, PSgx, C, S, s_per_part, sgn, sgc, 
         s64 = ss.to(tl.int64)
         g = tl.load(G + n * sgn + c64 * sgc + s64 * sgs, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(X + n * sxn + c64 * sxc + s64 * sxs, mask=mask, other=0.0).to(tl.float32)
-        xh = (x - mu[:, None]) * rs[:, None]                       # BLOCK_C, BLOCK_S
+        xh = ((x - mu[:, None]) - mu_lo[:, None]) * rs[:, None]    # BLOCK_C, BLOCK_S
         sg += tl.sum(g, axis=1)
         sgx += tl.sum(g * xh, axis=1)
     out = (n * tl.num_programs(2) + p) * C + cs
@@ -299,14 +314,15 @@ def _units_bwd_sums_kernel(G, X, Mu, Rs, PSg, PSgx, C, S, s_per_part, sgn, sgc, 
 
 
 @triton.jit
-def _units_affine_kernel(X, G, Y, Mu, A, Bc, K1, C, S, s_per_part, sxn, sxc, sxs,
+def _units_affine_kernel(X, G, Y, Mu, MuLo, A, Bc, K1, C, S, s_per_part, sxn, sxc, sxs,
                          sgn, sgc, sgs, syn, syc, sys_, HAS_G: tl.constexpr,
                          BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """``y = (x - mu) * a + b (+ g * k1)`` with per-(n, c) coefficients ((N, C) fp32).
 
     Forward: ``a = rstd * w``, ``b = bias``. Backward (``HAS_G``): ``k1 = rstd * w``,
     ``a = -rstd^2 * c1``, ``b = -rstd * c2``, i.e. ``dx = rstd * (g * w - c2 - xhat *
-    c1)``. Subtracting the mean before scaling keeps the digits of inputs far from 0."""
+    c1)``. The mean is fp32 ``Mu + MuLo`` (hi + lo), subtracted before scaling: ``(x -
+    hi) - lo`` keeps the digits of inputs far from 0."""
     n = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p = tl.program_id(2)
@@ -314,6 +330,7 @@ def _units_affine_kernel(X, G, Y, Mu, A, Bc, K1, C, S, s_per_part, sxn, sxc, sxs
     s0 = p * s_per_part
     s1 = tl.minimum(s0 + s_per_part, S)
     mu = tl.load(Mu + n * C + cs, mask=cmask, other=0.0)[:, None]  # BLOCK_C, 1
+    mu_lo = tl.load(MuLo + n * C + cs, mask=cmask, other=0.0)[:, None]
     a = tl.load(A + n * C + cs, mask=cmask, other=0.0)[:, None]
     b = tl.load(Bc + n * C + cs, mask=cmask, other=0.0)[:, None]
     if HAS_G:
@@ -324,7 +341,7 @@ def _units_affine_kernel(X, G, Y, Mu, A, Bc, K1, C, S, s_per_part, sxn, sxc, sxs
         mask = cmask[:, None] & (ss < s1)
         s64 = ss.to(tl.int64)
         x = tl.load(X + n * sxn + c64 * sxc + s64 * sxs, mask=mask, other=0.0).to(tl.float32)
-        y = (x - mu) * a + b                                       # BLOCK_C, BLOCK_S
+        y = ((x - mu) - mu_lo) * a + b                             # BLOCK_C, BLOCK_S
         if HAS_G:
             g = tl.load(G + n * sgn + c64 * sgc + s64 * sgs, mask=mask, other=0.0)
             y = y + g.to(tl.float32) * k1

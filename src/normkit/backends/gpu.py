@@ -254,12 +254,12 @@ def _merge(pmean, pm2, counts, grouping, n, c):
     return mean, m2 / total
 
 
-def _launch_affine(x3, g3, out3, mu, a, b, k1, tiles):
+def _launch_affine(x3, g3, out3, mu, mu_lo, a, b, k1, tiles):
     n, c, s = x3.shape
     block_c, block_s, parts, spp = tiles
     g = x3 if g3 is None else g3
     _k()._units_affine_kernel[(n, _cdiv(c, block_c), parts)](
-        x3, g, out3, mu, a, b, a if k1 is None else k1, c, s, spp, *x3.stride(), *g.stride(),
+        x3, g, out3, mu, mu_lo, a, b, a if k1 is None else k1, c, s, spp, *x3.stride(), *g.stride(),
         *out3.stride(), HAS_G=g3 is not None, BLOCK_C=block_c, BLOCK_S=block_s,
         num_warps=_warps(block_c * block_s))
 
@@ -272,7 +272,7 @@ def _units_forward(x, grouping, weight, bias, eps, mean, rstd):
     block_c, block_s, parts, spp = tiles
     var = None
     if mean is None:
-        pmean = torch.empty((n, parts, c), dtype=torch.float32, device=dev)   # N, P, C
+        pmean = torch.empty((n, parts, c), dtype=torch.float64, device=dev)   # N, P, C
         pm2 = torch.empty((n, parts, c), dtype=torch.float32, device=dev)
         _k()._units_moments_kernel[(n, _cdiv(c, block_c), parts)](
             x3, pmean, pm2, c, s, spp, *x3.stride(), BLOCK_C=block_c, BLOCK_S=block_s,
@@ -283,13 +283,16 @@ def _units_forward(x, grouping, weight, bias, eps, mean, rstd):
         mean = mean64.to(torch.float32).view(shape)
         var = var64.to(torch.float32).view(shape)
         rstd = torch.rsqrt(var64 + eps).to(torch.float32).view(shape)
-    mu = _per_nc(mean, grouping, n, c)                             # N, C
+        mu_lo = _per_nc(mean64 - mean.double().view(mean64.shape), grouping, n, c)
+    else:
+        mu_lo = torch.zeros((n, c), dtype=torch.float32, device=dev)
+    mu = _per_nc(mean, grouping, n, c)                             # N, C: mean = mu + mu_lo
     rs = _per_nc(rstd, grouping, n, c)
     w = torch.ones(c, device=dev) if weight is None else weight.detach().reshape(c).float()
     b = torch.zeros(c, device=dev) if bias is None else bias.detach().reshape(c).float()
     y3 = torch.empty_like(x3)                                      # keeps the layout
-    _launch_affine(x3, None, y3, mu, (rs * w).contiguous(), b.expand(n, c).contiguous(),
-                   None, tiles)
+    _launch_affine(x3, None, y3, mu, mu_lo, (rs * w).contiguous(),
+                   b.expand(n, c).contiguous(), None, tiles)
     return y3.view(grouping.view), mean, rstd, var
 
 
@@ -301,11 +304,12 @@ def _units_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs)
     tiles = _tiles(x3)
     block_c, block_s, parts, spp = tiles
     mu = _per_nc(mean, grouping, n, c)                             # N, C
+    mu_lo = torch.zeros_like(mu)
     rs = _per_nc(rstd, grouping, n, c)
     psg = torch.empty((n, parts, c), dtype=torch.float32, device=dev)       # N, P, C
     psgx = torch.empty((n, parts, c), dtype=torch.float32, device=dev)
     _k()._units_bwd_sums_kernel[(n, _cdiv(c, block_c), parts)](
-        g3, x3, mu, rs, psg, psgx, c, s, spp, *g3.stride(), *x3.stride(),
+        g3, x3, mu, mu_lo, rs, psg, psgx, c, s, spp, *g3.stride(), *x3.stride(),
         BLOCK_C=block_c, BLOCK_S=block_s, num_warps=_warps(block_c * block_s))
     sg, sgx = psg.double().sum(1), psgx.double().sum(1)           # second stage: N, C
     dx = None
@@ -326,7 +330,7 @@ def _units_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs)
         a = (-rs64 * rs64 * c1).float().contiguous()
         b = (-rs64 * c2).float().contiguous()
         dx3 = torch.empty_like(x3)
-        _launch_affine(x3, g3, dx3, mu, a, b, k1, tiles)
+        _launch_affine(x3, g3, dx3, mu, mu_lo, a, b, k1, tiles)
         dx = dx3.view(grouping.view)
     pshape = grouping.param_view
     dw = sgx.sum(0).float().view(pshape) if needs[1] else None

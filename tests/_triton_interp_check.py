@@ -1,0 +1,301 @@
+"""Checks of the Triton kernels in interpreter mode, on CPU tensors (run by
+``tests/test_gpu_kernels.py`` in a subprocess with ``TRITON_INTERPRET=1``).
+
+    TRITON_INTERPRET=1 python tests/_triton_interp_check.py FAMILY
+
+runs every case of FAMILY (``rows``, ``add``, ``units``, ``dispatch``) and prints one
+JSON line ``{"passed": [...], "failed": [[case, message], ...]}``. Each case calls the
+GPU backend's ``forward``/``backward`` (or the fused residual-add functions) directly
+and compares them with the float64 NumPy reference ``normkit.reference`` (or, for
+``dispatch``, runs the public ops through the dispatch with the backend accepting CPU
+tensors, against ``torch.nn.functional``). Block sizes are shrunk on some cases so that
+every loop of the kernels (blocks of a row, tiles, parts of the positions) runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
+    raise SystemExit("run with TRITON_INTERPRET=1 in the environment, in a fresh process")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from normkit import grouping as G  # noqa: E402
+from normkit import reference as R  # noqa: E402
+from normkit.backends import gpu  # noqa: E402
+
+# (atol, rtol) of outputs and of gradients (gradients: atol scaled by their magnitude)
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (6e-2, 2e-2), torch.float16: (6e-3, 4e-3)}
+GRAD_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2.5e-1, 5e-2),
+            torch.float16: (3e-2, 1e-2)}
+DEFAULTS = dict(ROW_BLOCK_MAX=gpu.ROW_BLOCK_MAX, TILE_MAX=gpu.TILE_MAX,
+                CL_BLOCK_C=gpu.CL_BLOCK_C, INTERPRETER_SMS=gpu.INTERPRETER_SMS)
+SMALL = dict(ROW_BLOCK_MAX=32, TILE_MAX=16, CL_BLOCK_C=4, INTERPRETER_SMS=4)
+
+
+def _blocks(small):
+    for k, v in (SMALL if small else dict(DEFAULTS, INTERPRETER_SMS=1)).items():
+        setattr(gpu, k, v)
+
+
+def close(actual, expected, dtype, what, grad=False):
+    """Compare in float64 with the tolerance of ``dtype``."""
+    a = actual.detach().double().cpu()
+    if isinstance(expected, torch.Tensor):
+        expected = expected.detach().cpu().numpy()
+    e = torch.as_tensor(np.asarray(expected, dtype=np.float64)).reshape(a.shape)
+    atol, rtol = (GRAD_TOL if grad else TOL)[dtype]
+    if grad:
+        atol *= max(1.0, float(e.abs().max()))
+    torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def _data(shape, dtype, seed, layout="contiguous", offset=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 2 + offset).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "channels_last_3d":
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    elif layout == "cl1d":                                         # (N, C, L) with C innermost
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    return x, gen
+
+
+def check_norm(grouping, shape, dtype, affine, center=True, layout="contiguous",
+               fixed=False, seed=0, offset=0.0):
+    """Backend forward/backward vs ``reference.normalize_*`` for one grouping."""
+    x, gen = _data(shape, dtype, seed, layout, offset)
+    xv = x.view(grouping.view)
+    c = grouping.view[-1] if grouping.kind == "layer" else shape[1]
+    w = torch.randn(c, generator=gen) if affine else None
+    b = torch.randn(c, generator=gen) if affine and center else None
+    mean = rstd = None
+    if fixed:                                                      # running statistics
+        rm, rv = torch.randn(c, generator=gen), torch.rand(c, generator=gen) + 0.5
+        mean = rm.view(1, c, 1).expand(grouping.stat_shape)
+        rstd = torch.rsqrt(rv + 1e-5).view(1, c, 1).expand(grouping.stat_shape)
+    y, m, rs, var = gpu.forward(xv, grouping, w, b, 1e-5, center, mean, rstd)
+    assert y.dtype == dtype and y.stride() == xv.stride(), "output dtype or layout changed"
+    ref_y, cache = R.normalize_forward(xv.double().numpy(), grouping, None if w is None else
+                                       w.numpy(), None if b is None else b.numpy(), 1e-5,
+                                       center, None if mean is None else mean.double().numpy(),
+                                       None if rstd is None else rstd.double().numpy())
+    close(y, ref_y, dtype, "y")
+    if not fixed:
+        assert m.dtype == torch.float32 and rs.dtype == torch.float32, "statistics not fp32"
+        xs = xv.double().numpy()
+        ref_var = ((xs - cache["mean"]) ** 2).mean(axis=grouping.reduce, keepdims=True)
+        close(m, cache["mean"], torch.float32, "mean")
+        close(rs, cache["rstd"], torch.float32, "rstd")
+        close(var, ref_var, torch.float32, "var")
+    g = torch.randn(shape, generator=gen).to(dtype)
+    if layout != "contiguous":                                     # gradient in another layout
+        g = g.contiguous()
+    gv = g.view(grouping.view)
+    needs = (True, affine, affine and center)
+    dx, dw, db = gpu.backward(gv, xv, m, rs, w, grouping, center, fixed, needs)
+    rdx, rdw, rdb = R.normalize_backward(gv.double().numpy(), cache)
+    close(dx, rdx, dtype, "dx", grad=True)
+    assert dx.stride() == xv.stride(), "dx layout differs from x"
+    if affine:
+        close(dw.reshape(-1), np.asarray(rdw).reshape(-1), dtype, "dweight", grad=True)
+    if affine and center:
+        close(db.reshape(-1), np.asarray(rdb).reshape(-1), dtype, "dbias", grad=True)
+
+
+def check_add(shape, dtype, affine, center, from_y, seed=0):
+    """``fused_add_forward``/``backward`` vs torch autograd of the norm of ``x + r`` in
+    float64 (from the rounded sum, as the kernel normalizes it)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = shape[-1]
+    x = torch.randn(shape, generator=gen).to(dtype)
+    r = torch.randn(shape, generator=gen).to(dtype)
+    w = (torch.rand(k, generator=gen) + 0.5) * torch.sign(torch.randn(k, generator=gen)) \
+        if affine else None
+    b = torch.randn(k, generator=gen) if affine and center else None
+    y, h, mean, rstd = gpu.fused_add_forward(x.view(-1, k), r.view(-1, k), w, b, 1e-5, center)
+    y, h = y.view(shape), h.view(shape)
+    close(h, (x + r).double(), dtype, "h")
+    h64 = (x + r).double().requires_grad_(True)
+    w64 = None if w is None else w.double().requires_grad_(True)
+    b64 = None if b is None else b.double().requires_grad_(True)
+    if center:
+        y64 = F.layer_norm(h64, (k,), w64, b64, 1e-5)
+    else:
+        y64 = F.rms_norm(h64, (k,), w64, 1e-5)
+    close(y, y64, dtype, "y")
+    gy = torch.randn(shape, generator=gen).to(dtype)
+    gh = torch.randn(shape, generator=gen).to(dtype)
+    saved = y if from_y else h
+    needs = (True, affine, affine and center)
+    dh, dw, db = gpu.fused_add_backward(gy.view(-1, k), gh.view(-1, k), saved.view(-1, k),
+                                        None if from_y else mean, rstd, w, b, center, from_y,
+                                        needs)
+    params = [t for t in (w64, b64) if t is not None]
+    grads = torch.autograd.grad((y64 * gy.double()).sum(), [h64] + params)
+    close(dh.view(shape), grads[0] + gh.double(), dtype, "dh", grad=True)
+    if affine:
+        close(dw, grads[1], dtype, "dweight", grad=True)
+    if affine and center:
+        close(db, grads[2], dtype, "dbias", grad=True)
+
+
+def cases_rows():
+    lay = lambda s, k=1: G.layer(s, k)                              # noqa: E731
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    return [
+        ("layer 3x7 fp32 affine", False, lambda: check_norm(lay((3, 7)), (3, 7), f32, True)),
+        ("rms 3x7 bf16 weight", False,
+         lambda: check_norm(lay((3, 7)), (3, 7), bf16, True, center=False)),
+        ("layer 5x130 fp32 affine, blocks of 32", True,
+         lambda: check_norm(lay((5, 130)), (5, 130), f32, True, offset=1e3)),
+        ("rms 5x130 fp16 no weight, blocks of 32", True,
+         lambda: check_norm(lay((5, 130)), (5, 130), f16, False, center=False)),
+        ("layer 5x130 bf16 affine, one block", False,
+         lambda: check_norm(lay((5, 130)), (5, 130), bf16, True)),
+        ("layer 2x3x5x5 over (5, 5) fp32 no affine", False,
+         lambda: check_norm(lay((2, 3, 5, 5), 2), (2, 3, 5, 5), f32, False)),
+        ("layer 2x3x5x5 over (5, 5) fp16 affine, blocks of 32", True,
+         lambda: check_norm(lay((2, 3, 5, 5), 2), (2, 3, 5, 5), f16, True)),
+    ]
+
+
+def cases_add():
+    f32, bf16 = torch.float32, torch.bfloat16
+    return [
+        ("add+layer 3x7 fp32 affine", False, lambda: check_add((3, 7), f32, True, True, False)),
+        ("add+layer 3x7 fp32 affine, from output", False,
+         lambda: check_add((3, 7), f32, True, True, True)),
+        ("add+rms 5x130 bf16 weight, from output, blocks of 32", True,
+         lambda: check_add((5, 130), bf16, True, False, True)),
+        ("add+layer 5x130 fp32 affine, blocks of 32", True,
+         lambda: check_add((5, 130), f32, True, True, False)),
+        ("add+layer 2x3x7 bf16 no affine", False,
+         lambda: check_add((2, 3, 7), bf16, False, True, False)),
+    ]
+
+
+def cases_units():
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    s4, s3, s5 = (2, 3, 5, 5), (3, 4, 7), (2, 3, 2, 3, 3)
+    return [
+        ("batch 2x3x5x5 fp32 contiguous", False,
+         lambda: check_norm(G.batch(s4), s4, f32, True, offset=100.0)),
+        ("batch 2x3x5x5 fp32 channels_last, small tiles", True,
+         lambda: check_norm(G.batch(s4), s4, f32, True, layout="channels_last")),
+        ("batch 3x4x7 bf16 contiguous, small tiles", True,
+         lambda: check_norm(G.batch(s3), s3, bf16, True)),
+        ("batch 2x3x5x5 fp16 channels_last eval (fixed stats)", False,
+         lambda: check_norm(G.batch(s4), s4, f16, True, layout="channels_last", fixed=True)),
+        ("instance 2x3x5x5 fp32 contiguous no affine", False,
+         lambda: check_norm(G.instance(s4), s4, f32, False)),
+        ("instance 2x3x5x5 bf16 channels_last, small tiles", True,
+         lambda: check_norm(G.instance(s4), s4, bf16, True, layout="channels_last")),
+        ("instance 2x3x2x3x3 fp32 channels_last_3d", False,
+         lambda: check_norm(G.instance(s5), s5, f32, True, layout="channels_last_3d")),
+        ("instance 3x4x7 fp32 eval (fixed stats)", False,
+         lambda: check_norm(G.instance(s3), s3, f32, True, fixed=True)),
+        ("group(2) 2x6x5x5 fp32 contiguous, small tiles", True,
+         lambda: check_norm(G.group((2, 6, 5, 5), 2), (2, 6, 5, 5), f32, True)),
+        ("group(3) 2x6x5x5 fp32 channels_last", False,
+         lambda: check_norm(G.group((2, 6, 5, 5), 3), (2, 6, 5, 5), f32, True,
+                            layout="channels_last", offset=50.0)),
+        ("group(2) 3x4x7 fp16 C-innermost 1d", False,
+         lambda: check_norm(G.group(s3, 2), s3, f16, True, layout="cl1d")),
+    ]
+
+
+def _via_dispatch():
+    """Let the dispatch hand CPU tensors to the GPU backend (interpreter mode only)."""
+    from normkit import backends
+
+    real = gpu.supports
+    backends._loaded = (gpu,)
+    gpu.supports = lambda x, *args: real(_Cuda(x), *args)
+
+
+class _Cuda:
+    """A stand-in that reports device type ``cuda`` for a CPU tensor (for ``supports``)."""
+
+    def __init__(self, t):
+        self._t = t
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+    @property
+    def device(self):
+        return torch.device("cuda")
+
+
+def check_public(op, shape, dtype, layout="contiguous"):
+    """A public op through the dispatch (GPU backend, interpreted) vs torch: values,
+    gradients, running statistics."""
+    import normkit.functional as NF
+
+    x, gen = _data(shape, dtype, 3, layout)
+    c = shape[1] if op != "layer_norm" else shape[-1]
+    w = torch.randn(c, generator=gen).to(dtype).requires_grad_(True)
+    b = torch.randn(c, generator=gen).to(dtype).requires_grad_(True)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    runs = []
+    for lib, xi in ((NF, xs[0]), (F, xs[1])):
+        rm, rv = torch.zeros(c, dtype=dtype), torch.ones(c, dtype=dtype)
+        if op == "batch_norm":
+            y = lib.batch_norm(xi, rm, rv, w, b, training=True, momentum=0.3)
+        elif op == "group_norm":
+            y = lib.group_norm(xi, 2, w, b)
+        else:
+            y = lib.layer_norm(xi, (c,), w, b)
+        gy = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+        grads = torch.autograd.grad((y.double() * gy.double()).sum(), (xi, w, b))
+        runs.append((y, grads, rm, rv))
+    (y, gr, rm, rv), (ty, tgr, trm, trv) = runs
+    close(y, ty.double(), dtype, "y")
+    for name, a, e in zip(("dx", "dweight", "dbias"), gr, tgr):
+        close(a, e.double(), dtype, name, grad=True)
+    if op == "batch_norm":
+        close(rm, trm.double(), dtype, "running_mean")
+        close(rv, trv.double(), dtype, "running_var")
+
+
+def cases_dispatch():
+    f32, bf16 = torch.float32, torch.bfloat16
+    return [
+        ("batch_norm 2x3x5x5 fp32 training, running stats", False,
+         lambda: check_public("batch_norm", (2, 3, 5, 5), f32)),
+        ("batch_norm 2x3x5x5 bf16 channels_last training", False,
+         lambda: check_public("batch_norm", (2, 3, 5, 5), bf16, "channels_last")),
+        ("group_norm 2x4x3x3 fp32", False, lambda: check_public("group_norm", (2, 4, 3, 3), f32)),
+        ("layer_norm 5x130 fp32", False, lambda: check_public("layer_norm", (5, 130), f32)),
+    ]
+
+
+FAMILIES = dict(rows=cases_rows, add=cases_add, units=cases_units, dispatch=cases_dispatch)
+
+
+def main(names):
+    passed, failed = [], []
+    for fam in names:
+        if fam == "dispatch":
+            _via_dispatch()
+        for name, small, fn in FAMILIES[fam]():
+            _blocks(small)
+            try:
+                fn()
+                passed.append(name)
+            except Exception as e:                                 # report every case
+                failed.append([name, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"])
+    print(json.dumps(dict(passed=passed, failed=failed)))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:] or list(FAMILIES)))
