@@ -62,7 +62,8 @@ def _check_against_batchnorm(rank, world, sizes, ndim, dtype, momentum, affine, 
     ref = TORCH_BN[ndim](c, momentum=momentum, affine=affine, dtype=dtype)
     sync = nkn.SyncBatchNorm(c, momentum=momentum, affine=affine, dtype=dtype)
     if affine:
-        w, b = torch.rand(c, generator=gen, dtype=dtype) + 0.5, torch.randn(c, generator=gen, dtype=dtype)
+        w = torch.rand(c, generator=gen, dtype=dtype) + 0.5
+        b = torch.randn(c, generator=gen, dtype=dtype)
         with torch.no_grad():
             for m in (ref, sync):
                 m.weight.copy_(w)
@@ -376,7 +377,7 @@ def test_errors(monkeypatch):
         m(torch.randn(1, 3))
 
 
-def test_world_size_one_is_batchnorm(tmp_path):
+def test_world_size_one_is_batchnorm():
     """An initialized group of one rank does not synchronize: plain BatchNorm."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                             world_size=1)

@@ -37,7 +37,8 @@ class _BatchRenorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype, bias=bias)
         self.r_max, self.d_max = float(r_max), float(d_max)
-        self.warmup_steps, self.r_max_steps, self.d_max_steps = warmup_steps, r_max_steps, d_max_steps
+        self.warmup_steps = warmup_steps
+        self.r_max_steps, self.d_max_steps = r_max_steps, d_max_steps
 
     def limits(self, step=None):
         """``(r_max, d_max)`` in force at training step ``step`` (default: the next batch,
