@@ -119,6 +119,35 @@ def _check_channels_last(rank, world, sizes):
     return compare
 
 
+def _check_one_collective_each_way(rank, world, sizes):
+    """The forward communicates once (the moments), the backward once (the two sums)."""
+    calls = []
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_reduce")}
+
+    def counting(name):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return wrapper
+
+    m = nkn.SyncBatchNorm(3, dtype=torch.float64)
+    x = torch.randn(sizes[rank], 3, 4, dtype=torch.float64, requires_grad=True)
+    try:
+        for name in originals:
+            setattr(dist, name, counting(name))
+        y = m(x)
+        forward_calls = list(calls)
+        y.square().sum().backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+    def compare():
+        assert forward_calls == ["all_gather"], forward_calls
+        assert calls == ["all_gather", "all_reduce"], calls
+    return compare
+
+
 def _check_subgroup(rank, world, sizes):
     """With ``process_group``, only the group's ranks are normalized together."""
     members = [0, 1]
@@ -210,6 +239,7 @@ def _worker(rank, world, port, out_dir):
         run(f"no_affine-momentum_none-{sizes}", _check_against_batchnorm, sizes, 3,
             torch.float64, None, False, steps=3)
         run(f"channels_last-{sizes}", _check_channels_last, sizes)
+        run(f"one_collective_each_way-{sizes}", _check_one_collective_each_way, sizes)
     if world >= 3:
         run("subgroup", _check_subgroup, SPLITS[world][0])
     run("ddp_cnn", _check_convert_and_ddp)
@@ -251,7 +281,8 @@ def _expected_checks(world):
     for sizes in SPLITS[world]:
         names += [f"bn{ndim}d-{dtype}-{sizes}" for ndim in (2, 3, 4, 5)
                   for dtype in (torch.float64, torch.float32)]
-        names += [f"no_affine-momentum_none-{sizes}", f"channels_last-{sizes}"]
+        names += [f"no_affine-momentum_none-{sizes}", f"channels_last-{sizes}",
+                  f"one_collective_each_way-{sizes}"]
     return names + (["subgroup"] if world >= 3 else []) + ["ddp_cnn"]
 
 
