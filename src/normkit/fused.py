@@ -128,4 +128,6 @@ def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_sav
     w = None if weight is None else weight.reshape(-1)
     b = None if bias is None else bias.reshape(-1)
     y, h = AddNormFunction.apply(xv, rv, w, b, eps, center, bool(memory_saving))
-    return y.view(x.shape), h.view(x.shape)
+    if y.shape != x.shape:
+        y, h = y.view(x.shape), h.view(x.shape)
+    return y, h
