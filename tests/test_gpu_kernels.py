@@ -280,3 +280,13 @@ def _grouping(case, x, groups):
     if case.startswith("batch"):
         return G.batch(x.shape)
     return G.instance(x.shape) if case == "instance" else G.group(x.shape, groups)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only machine")
+def test_bench_device_cuda_without_a_gpu(capsys):
+    from normkit import bench_gpu
+
+    class Args:
+        ops, dtypes, modes, quick, json = ["layer_norm"], ["float32"], ["fwd"], True, False
+    assert bench_gpu.main(Args()) == 2
+    assert "no CUDA device" in capsys.readouterr().err

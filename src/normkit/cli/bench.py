@@ -29,10 +29,17 @@ def register(subparsers):
     p.add_argument("--quick", action="store_true", help="small shapes (for tests)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the Triton kernels vs torch and Liger-Kernel (if installed) "
+                        "in GB/s and as a fraction of the memory bandwidth "
+                        "(normkit.bench_gpu)")
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
+    if getattr(args, "device", "cpu") == "cuda":
+        from normkit import bench_gpu
+        return bench_gpu.main(args)
     from normkit import bench
 
     case_list = bench.cases(args.ops, args.dtypes, args.modes, quick=args.quick)
