@@ -331,44 +331,86 @@ def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, s
 # the same on channels_last, viewed (N, S, C)
 # ---------------------------------------------------------------------------------------
 
+@register_jitable
+def _cl_range_moments(x, n, s_begin, s_end, rb, am, a2, fmt):
+    """Per-channel mean and M2 (float64, written to am, a2: (C,)) of the rows
+    [s_begin, s_end) of sample n of x: (N, S, C): a two-pass over blocks of rb rows (the
+    block stays in L2), the blocks Chan-merged."""
+    c_ = x.shape[2]
+    am[:] = 0.0
+    a2[:] = 0.0
+    bm = np.empty(c_)                                              # float64
+    bs = np.empty(c_)
+    cnt = 0.0
+    for s0 in range(s_begin, s_end, rb):
+        s1 = min(s_end, s0 + rb)
+        nbk = s1 - s0
+        bs[:] = 0.0
+        for s in range(s0, s1):
+            xr = x[n, s]                                           # C
+            for c in range(c_):
+                bs[c] += _ld(xr, c, fmt)
+        for c in range(c_):
+            bm[c] = bs[c] / nbk
+            bs[c] = 0.0
+        for s in range(s0, s1):                                    # block from L2
+            xr = x[n, s]
+            for c in range(c_):
+                d = _ld(xr, c, fmt) - bm[c]
+                bs[c] += d * d
+        tot = cnt + nbk                                            # Chan merge
+        for c in range(c_):
+            delta = bm[c] - am[c]
+            am[c] += delta * nbk / tot
+            a2[c] += bs[c] + delta * delta * cnt * nbk / tot
+        cnt = tot
+
+
 @njit(**_JIT)
 def _cl_moments(x, parts, rb, pmean, pm2, fmt):
-    """Per-(n, c) mean and M2 of x: (N, S, C) over each of ``parts`` ranges of S (a
-    two-pass over blocks of rb rows, Chan-merged in float64). pmean, pm2: (N, parts, C)
-    float64; range p holds the rows [p*len, (p+1)*len) with len = ceil(S / parts)."""
+    """Per-(n, c) mean and M2 of x: (N, S, C) over each of ``parts`` ranges of S.
+    pmean, pm2: (N, parts, C) float64; range p holds the rows [p*len, (p+1)*len) with
+    len = ceil(S / parts)."""
     n_, s_, c_ = x.shape
     plen = (s_ + parts - 1) // parts
     for t in prange(n_ * parts):
         n, p = np.intp(t) // parts, np.intp(t) % parts
-        am, a2 = pmean[n, p], pm2[n, p]                            # C, float64
-        am[:] = 0.0
-        a2[:] = 0.0
-        bm = np.empty(c_)                                          # float64
-        bs = np.empty(c_)
-        cnt = 0.0
-        s_end = min(s_, (p + 1) * plen)
-        for s0 in range(p * plen, s_end, rb):
-            s1 = min(s_end, s0 + rb)
-            nbk = s1 - s0
-            bs[:] = 0.0
-            for s in range(s0, s1):
-                xr = x[n, s]                                       # C
-                for c in range(c_):
-                    bs[c] += _ld(xr, c, fmt)
+        _cl_range_moments(x, n, p * plen, min(s_, (p + 1) * plen), rb, pmean[n, p],
+                          pm2[n, p], fmt)
+
+
+@njit(**_JIT)
+def _cl_sample_fwd(x, y, w, b, eps, groups, rb, mean, rstd, var, fmt):
+    """Instance/GroupNorm on channels_last, one sample per iteration: statistics of each
+    (sample, group), then the sample normalized while it is still in L3 (x read from
+    memory once). x, y: (N, S, C); mean, rstd, var: (N * groups,)."""
+    n_, s_, c_ = x.shape
+    cg = c_ // groups
+    for n in prange(n_):
+        am = np.empty(c_)                                          # float64
+        a2 = np.empty(c_)
+        _cl_range_moments(x, n, 0, s_, rb, am, a2, fmt)
+        mu = np.empty(c_, dtype=mean.dtype)
+        sc = np.empty(c_, dtype=mean.dtype)
+        for g in range(groups):                                    # Chan merge of channels
+            gm, m2 = 0.0, 0.0
+            for j in range(cg):
+                c = g * cg + j
+                delta = am[c] - gm
+                gm += delta / (j + 1)
+                m2 += a2[c] + delta * delta * s_ * j / (j + 1)
+            v = m2 / (cg * s_)
+            rs = 1.0 / math.sqrt(v + eps)
+            u = np.intp(n) * groups + g
+            mean[u], rstd[u], var[u] = gm, rs, v
+            for j in range(cg):
+                c = g * cg + j
+                mu[c] = gm
+                sc[c] = rs * w[c]
+        for s in range(s_):
+            xr, yr = x[n, s], y[n, s]                              # C
             for c in range(c_):
-                bm[c] = bs[c] / nbk
-                bs[c] = 0.0
-            for s in range(s0, s1):                                # block from L2
-                xr = x[n, s]
-                for c in range(c_):
-                    d = _ld(xr, c, fmt) - bm[c]
-                    bs[c] += d * d
-            tot = cnt + nbk                                        # Chan merge
-            for c in range(c_):
-                delta = bm[c] - am[c]
-                am[c] += delta * nbk / tot
-                a2[c] += bs[c] + delta * delta * cnt * nbk / tot
-            cnt = tot
+                _st(yr, c, fmt, (_ld(xr, c, fmt) - mu[c]) * sc[c] + b[c])
 
 
 @njit(**_JIT)
@@ -533,6 +575,13 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
 
     # channels_last: per-(n, c) moments, merged to the grouping's statistics in float64
     xt, yt = _np(x3).transpose(0, 2, 1), _np(y3).transpose(0, 2, 1)   # N, S, C
+    rb = max(1, _BLOCK_BYTES // (c * x.element_size()))
+    if not fixed and grouping.kind != "batch" and n >= nt:
+        # one sample per iteration, normalized while in cache
+        mean_u, rstd_u, var_u = (torch.empty(n * groups, dtype=sdtype) for _ in range(3))
+        _cl_sample_fwd(xt, yt, _np(w), _np(b), float(eps), groups, rb, _np(mean_u),
+                       _np(rstd_u), _np(var_u), fmt)
+        return y, mean_u.view(shape), rstd_u.view(shape), var_u.view(shape)
     parts = _parts(n, s, nt)
     var = None
     if fixed:
@@ -541,7 +590,6 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
     else:
         pmean = np.empty((n, parts, c))
         pm2 = np.empty((n, parts, c))
-        rb = max(1, _BLOCK_BYTES // (c * x.element_size()))
         _cl_moments(xt, parts, rb, pmean, pm2, fmt)
         plen = -(-s // parts)
         count = np.clip(s - plen * np.arange(parts), 0, plen).reshape(1, parts, 1)
@@ -559,13 +607,20 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         var = torch.from_numpy(gvar.astype(_NP_STAT[sdtype])).view(shape)
         mean_nc = _np(_stats_nc(mean, grouping, n, c)).astype(np.float64)
         rstd_nc = _np(_stats_nc(rstd, grouping, n, c)).astype(np.float64)
-    sc = (rstd_nc * _np(w)).astype(_NP_STAT[sdtype])
-    sh = np.broadcast_to(_np(b), (n, c)).astype(_NP_STAT[sdtype])
-    _cl_apply(xt, yt, parts, mean_nc.astype(_NP_STAT[sdtype]), sc, sh, fmt)
+    st = _NP_STAT[sdtype]
+    sc = _c(rstd_nc * _np(w), st)
+    sh = _c(np.broadcast_to(_np(b), (n, c)), st)
+    _cl_apply(xt, yt, parts, _c(mean_nc, st), sc, sh, fmt)
     return y, mean, rstd, var
 
 
 _NP_STAT = {torch.float64: np.float64, torch.float32: np.float32}
+
+
+def _c(a, dtype):
+    """A C-contiguous array (the layout every kernel is compiled for; a broadcast or
+    Fortran-ordered argument would compile a slow strided specialization)."""
+    return np.ascontiguousarray(a, dtype=dtype)
 
 
 def _parts(n, s, nt):
@@ -637,7 +692,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
                 c2 = np.zeros((n, c))
         r64 = rstd_nc.astype(np.float64)
         st = _NP_STAT[sdtype]
-        k1, k2, k3 = (r64 * w64).astype(st), (r64 * r64 * c1).astype(st), (r64 * c2).astype(st)
+        k1, k2, k3 = _c(r64 * w64, st), _c(r64 * r64 * c1, st), _c(r64 * c2, st)
         dx3 = torch.empty_like(x3)
         _cl_bwd_apply(gt, xt, _np(dx3).transpose(0, 2, 1), parts, mean_nc, k1, k2, k3, fmt)
         dx = dx3
