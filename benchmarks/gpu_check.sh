@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On a machine with a CUDA GPU and triton: the CUDA correctness tests of the Triton kernels
+# (tests/test_gpu_kernels.py::TestCuda, through the public ops, against torch), then
+# `normkit bench --device cuda` (normkit vs torch vs Liger-Kernel if installed, GB/s and
+# fraction of the memory bandwidth). Budget: under 5 minutes (200 s tests, 150 s bench).
+# Writes benchmarks/results/gpu-<stamp>-{device.csv,tests.txt,bench.json,bench.txt}.
+#   usage: benchmarks/gpu_check.sh            (PYTHON=... to choose the interpreter)
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+out=benchmarks/results
+mkdir -p "$out"
+stamp=$(date +%Y%m%d-%H%M%S)
+
+if ! "$PY" -c "import torch, triton; assert torch.cuda.is_available()"; then
+    echo "gpu_check: needs a CUDA device visible to torch and triton (pip install 'normkit[gpu]')" >&2
+    exit 2
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv \
+    > "$out/gpu-$stamp-device.csv" 2>/dev/null || true
+
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider --maxfail=25 tests/test_gpu_kernels.py \
+    -k "TestCuda" 2>&1 | tee "$out/gpu-$stamp-tests.txt"
+tests_rc=${PIPESTATUS[0]}
+
+timeout 150 "$PY" -m normkit bench --device cuda --json > "$out/gpu-$stamp-bench.json"
+bench_rc=$?
+if [ "$bench_rc" -eq 0 ]; then
+    "$PY" -c "import json, sys; from normkit.bench_gpu import format_table; \
+print(format_table(json.load(open(sys.argv[1]))))" "$out/gpu-$stamp-bench.json" \
+        | tee "$out/gpu-$stamp-bench.txt"
+fi
+echo "gpu_check: tests rc=$tests_rc, bench rc=$bench_rc; results in $out/gpu-$stamp-*"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
