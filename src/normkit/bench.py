@@ -186,7 +186,8 @@ def run(case_list, repeats=7, allocators=("default", "no-mmap"), threads=2, prog
                   statistic=f"median of {repeats} interleaved repeats")
     for name in allocators:
         env_extra, desc = ALLOCATORS[name]
-        env = dict(os.environ, **env_extra)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        env.update(env_extra)
         env["OMP_NUM_THREADS"] = str(threads)
         with tempfile.TemporaryDirectory() as tmp:
             spec, out = os.path.join(tmp, "cases.json"), os.path.join(tmp, "out.json")
