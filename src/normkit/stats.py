@@ -125,11 +125,18 @@ class Moments:
         return cls(count.astype(np.float64), mean, m2, shift)
 
     def merge(self, other: "Moments") -> "Moments":
-        """Return the moments of the union of both sets (Chan et al.), in this shift."""
-        other_mean = other.mean + (other.shift - self.shift)
-        count, mean, m2 = merge_moments(self.count, self.mean, self.m2,
+        """Return the moments of the union of both sets (Chan et al.).
+
+        The result keeps this set's shift, except for groups where this set is empty:
+        those take the other's shift, so an empty start (``Moments.empty``) does not
+        throw away the shift that keeps large offsets exact.
+        """
+        shift = np.where(np.asarray(self.count) == 0, other.shift, self.shift)
+        self_mean = self.mean + (self.shift - shift)
+        other_mean = other.mean + (other.shift - shift)
+        count, mean, m2 = merge_moments(self.count, self_mean, self.m2,
                                         other.count, other_mean, other.m2)
-        return Moments(count, mean, m2, self.shift)
+        return Moments(count, mean, m2, shift)
 
     def total_mean(self):
         """The mean of the data (``shift + mean``)."""
