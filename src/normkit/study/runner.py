@@ -150,11 +150,10 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        # fork where there is one: spawn would re-run the caller's main module (``python -m
-        # normkit`` has no main guard). The pool forks on the first submit, before the
-        # progress bar starts its monitor thread, so no thread is ever forked.
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(method))
+        # spawn, not fork: forked workers inherit torch's and numba's thread-pool state and
+        # ran ten times slower here. Spawn re-imports the caller's main module only when it is
+        # a script (the `normkit` script has a main guard) -- never for `python -m normkit`.
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
         futures = {pool.submit(_run, task): task[:3] for task in tasks}
     bar = None
     if progress and todo:
