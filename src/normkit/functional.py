@@ -29,11 +29,16 @@ def _size(shape) -> list:
     return [int(s) for s in shape]
 
 
-def _check_param(name, p, numel, what):
-    if p is not None and p.numel() != numel:
-        raise RuntimeError(
-            f"{name} should contain {numel} elements not {p.numel()} ({what}); "
-            f"pass a {name} with {numel} elements or fix the input's channel count")
+def _check_channels(input, **params):
+    """Every given per-channel tensor must have C = input.shape[1] elements."""
+    c = input.shape[1]
+    for name, p in params.items():
+        if p is not None and p.numel() != c:
+            raise RuntimeError(
+                f"{name} should contain {c} elements not {p.numel()} (the input has {c} "
+                f"channels at dim 1); pass a {name} with {c} elements or fix the input's "
+                f"channel count")
+    return c
 
 
 def _update_running(running, value, momentum):
@@ -64,10 +69,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if input.dim() < 2:
         raise ValueError(f"batch_norm expects an input of shape (N, C, *), got {input.dim()}D "
                          f"input of size {_size(input.shape)}; add a batch dim with unsqueeze(0)")
-    c = input.shape[1]
-    for name, p in (("running_mean", running_mean), ("running_var", running_var),
-                    ("weight", weight), ("bias", bias)):
-        _check_param(name, p, c, f"input has {c} channels at dim 1")
+    c = _check_channels(input, running_mean=running_mean, running_var=running_var,
+                        weight=weight, bias=bias)
     grouping = G.batch(input.shape)
     n = grouping.group_size
     if eps < 0 or (training and eps == 0):
@@ -110,10 +113,8 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         raise ValueError(f"instance_norm expects an input of shape (N, C, *S) with at least "
                          f"one spatial dim, got {input.dim()}D input of size "
                          f"{_size(input.shape)}")
-    c = input.shape[1]
-    for name, p in (("running_mean", running_mean), ("running_var", running_var),
-                    ("weight", weight), ("bias", bias)):
-        _check_param(name, p, c, f"input has {c} channels at dim 1")
+    c = _check_channels(input, running_mean=running_mean, running_var=running_var,
+                        weight=weight, bias=bias)
     grouping = G.instance(input.shape)
     s = grouping.group_size
     if not use_input_stats:
@@ -153,8 +154,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             f"Expected number of channels in input to be divisible by num_groups, but got "
             f"input of shape {_size(input.shape)} and num_groups={num_groups}; choose "
             f"num_groups among the divisors of {c}")
-    for name, p in (("weight", weight), ("bias", bias)):
-        _check_param(name, p, c, f"input has {c} channels at dim 1")
+    _check_channels(input, weight=weight, bias=bias)
     return _normalize(input, G.group(input.shape, num_groups), weight, bias, eps)[0]
 
 
@@ -285,10 +285,8 @@ def batch_renorm(input, running_mean, running_var, weight=None, bias=None, train
                          f"d_max={d_max}; r_max=1, d_max=0 is plain batch_norm")
     if not training:
         return batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
-    c = input.shape[1]
-    for name, p in (("running_mean", running_mean), ("running_var", running_var),
-                    ("weight", weight), ("bias", bias)):
-        _check_param(name, p, c, f"input has {c} channels at dim 1")
+    c = _check_channels(input, running_mean=running_mean, running_var=running_var,
+                        weight=weight, bias=bias)
     grouping = G.batch(input.shape)
     n = grouping.group_size
     if n == 1:

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["check_eps", "NormBase"]
+__all__ = ["check_eps", "init_affine", "reset_affine", "NormBase"]
 
 
 def check_eps(eps, cls_name: str, allow_none: bool = False):
@@ -21,6 +21,29 @@ def check_eps(eps, cls_name: str, allow_none: bool = False):
             f"{cls_name}: eps must be a positive finite number (it is added to the variance "
             f"before the square root so that a constant group is not divided by zero), got "
             f"eps={eps!r}; the usual value is 1e-5")
+
+
+def init_affine(module, shape, affine, bias, factory_kwargs) -> None:
+    """Register ``weight`` and ``bias`` as torch does: Parameters of ``shape`` when
+    ``affine`` (the bias only with ``bias``), otherwise ``None`` so that the attribute
+    exists and the state_dict has no key."""
+    if affine:
+        module.weight = nn.Parameter(torch.empty(shape, **factory_kwargs))
+        if bias:
+            module.bias = nn.Parameter(torch.empty(shape, **factory_kwargs))
+        else:
+            module.register_parameter("bias", None)
+    else:
+        module.register_parameter("weight", None)
+        module.register_parameter("bias", None)
+
+
+def reset_affine(module) -> None:
+    """gamma = 1, beta = 0."""
+    if module.weight is not None:
+        nn.init.ones_(module.weight)
+    if getattr(module, "bias", None) is not None:
+        nn.init.zeros_(module.bias)
 
 
 class NormBase(nn.Module):
@@ -45,15 +68,7 @@ class NormBase(nn.Module):
         self.momentum = momentum
         self.affine = affine
         self.track_running_stats = track_running_stats
-        if affine:
-            self.weight = nn.Parameter(torch.empty(num_features, **factory_kwargs))
-            if bias:
-                self.bias = nn.Parameter(torch.empty(num_features, **factory_kwargs))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        init_affine(self, num_features, affine, bias, factory_kwargs)
         if track_running_stats:
             self.register_buffer("running_mean", torch.zeros(num_features, **factory_kwargs))
             self.register_buffer("running_var", torch.ones(num_features, **factory_kwargs))
@@ -75,10 +90,7 @@ class NormBase(nn.Module):
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
-        if self.affine:
-            nn.init.ones_(self.weight)
-            if self.bias is not None:
-                nn.init.zeros_(self.bias)
+        reset_affine(self)
 
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "

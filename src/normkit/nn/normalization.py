@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from normkit import functional as F
-from normkit.nn._base import check_eps
+from normkit.nn._base import check_eps, init_affine, reset_affine
 
 __all__ = ["LayerNorm", "GroupNorm", "RMSNorm"]
 
@@ -58,22 +58,11 @@ class LayerNorm(nn.Module):
         check_eps(eps, type(self).__name__)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
-            if bias:
-                self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        init_affine(self, self.normalized_shape, elementwise_affine, bias, factory_kwargs)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.elementwise_affine:
-            nn.init.ones_(self.weight)
-            if self.bias is not None:
-                nn.init.zeros_(self.bias)
+        reset_affine(self)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -124,22 +113,11 @@ class GroupNorm(nn.Module):
         self.num_channels = num_channels
         self.eps = eps
         self.affine = affine
-        if affine:
-            self.weight = nn.Parameter(torch.empty(num_channels, **factory_kwargs))
-            if bias:
-                self.bias = nn.Parameter(torch.empty(num_channels, **factory_kwargs))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        init_affine(self, num_channels, affine, bias, factory_kwargs)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.affine:
-            nn.init.ones_(self.weight)
-            if self.bias is not None:
-                nn.init.zeros_(self.bias)
+        reset_affine(self)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
@@ -187,8 +165,7 @@ class RMSNorm(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.elementwise_affine:
-            nn.init.ones_(self.weight)
+        reset_affine(self)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
