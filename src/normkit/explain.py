@@ -197,12 +197,13 @@ def _draw_block(ax, ex: Explained):
 
 def _draw_table(ax, ex: Explained):
     """The (n_samples, n_features) table with the first column's cells in blue."""
+    from matplotlib.patches import Rectangle
+
     rows, cols = ex.shape
     for r in range(rows):
         for j in range(cols):
             color = _HIGHLIGHT if ex.ids[r, j] == 0 else _OTHER
-            ax.add_patch(__import__("matplotlib.patches", fromlist=["Rectangle"]).Rectangle(
-                (j, rows - 1 - r), 1, 1, facecolor=color, edgecolor="#555555", linewidth=0.6))
+            ax.add_patch(Rectangle((j, rows - 1 - r), 1, 1, facecolor=color, edgecolor="#555555", linewidth=0.6))
     ax.set_xlim(0, cols)
     ax.set_ylim(0, rows)
     ax.set_aspect("equal")

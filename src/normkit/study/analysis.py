@@ -13,8 +13,6 @@ import math
 
 import numpy as np
 
-from normkit.study.model import METHODS
-
 __all__ = ["NAMES", "PAPER", "TARGET_LOSS", "summarize", "steps_to_target", "reference_batch",
            "findings", "pct"]
 

@@ -115,7 +115,8 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
         "train_images": int(len(data.y_train)), "test_images": int(len(data.y_test)),
         "train": dict(TrainConfig(epochs=epochs, base_lr=base_lr)),
         "layer_source": model_module.layer_source(),
-        "model": "SmallCNN(4 conv 3x3: 16-32-64-64, maps 8-8-4-2, GAP, linear)",
+        "model": "SmallCNN(4 conv 3x3: 16-32-64-64, maps 8-8-4-2, GAP, linear); "
+                 "BatchRenorm warm-up 1/8, ramps 1/4 of the steps",
         "methods": list(methods), "batch_sizes": list(batch_sizes), "seeds": list(seeds),
         "quick": bool(quick),
     }

@@ -36,7 +36,6 @@ import copy
 import math
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -109,8 +108,6 @@ def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig
     """Train ``SmallCNN(method)`` on ``data`` with ``batch_size`` and ``seed``; return its
     numbers (see the module docstring)."""
     start = time.perf_counter()
-    torch.manual_seed(seed)
-    model = SmallCNN(method, n_classes=data.n_classes)
     x_train, y_train = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     x_test, y_test = torch.from_numpy(data.x_test), torch.from_numpy(data.y_test)
     n = len(y_train)
@@ -119,6 +116,8 @@ def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig
                          f"pass smaller --batch-sizes")
     steps_per_epoch = n // batch_size
     total = config["epochs"] * steps_per_epoch
+    torch.manual_seed(seed)
+    model = SmallCNN(method, n_classes=data.n_classes, total_steps=total)
     warmup = min(total, max(1, round(config["warmup_epochs"] * steps_per_epoch)))
     peak_lr = learning_rate(config["base_lr"], batch_size)
     opt = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=config["momentum"],
