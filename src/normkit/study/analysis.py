@@ -196,6 +196,14 @@ def findings(results: dict, summary: dict) -> list:
                        + ", ".join(f"{100 * gaps[b]:+.2f}" for b in bs)
                        + f" points at batch {', '.join(map(str, bs))}; the gap is largest at batch "
                        f"{max(gaps, key=lambda b: abs(gaps[b]))}.")
+    if have("batch") and have("batchrenorm"):
+        gap = lambda m: (summary[m][str(small)]["test_error_train_mode"]["mean"]  # noqa: E731
+                         - summary[m][str(small)]["test_error"]["mean"])
+        out.append(f"At batch {small} BatchRenorm's train/eval gap is {100 * gap('batchrenorm'):+.2f} points "
+                   f"against BatchNorm's {100 * gap('batch'):+.2f}: "
+                   + ("its correction toward the running statistics makes training mode behave like eval mode, "
+                      "which is what it was designed for." if abs(gap("batchrenorm")) < abs(gap("batch")) else
+                      "here its correction does NOT bring training mode closer to eval mode."))
     per_sample = [m for m in PER_SAMPLE if have(m)]
     if per_sample:
         gap = max(abs(summary[m][str(b)]["test_error_train_mode"]["mean"] - summary[m][str(b)]["test_error"]["mean"])

@@ -30,6 +30,12 @@ def _plt():
     return plt
 
 
+def matplotlib_ticker():
+    import matplotlib.ticker
+
+    return matplotlib.ticker
+
+
 def _series(summary, method, batch_sizes, metric):
     bs = [b for b in batch_sizes if str(b) in summary[method]]
     mean = np.array([summary[method][str(b)][metric]["mean"] for b in bs])
@@ -57,7 +63,9 @@ def plot_batch_size(summary, protocol, path):
         ax.errorbar(x, 100 * mean, yerr=100 * std, color=color, ls=ls, marker="o", ms=4, capsize=3,
                     label=NAMES.get(m, m))
     _batch_axis(ax, bs)
-    ax.set_ylabel("test error (%), eval mode")
+    ax.set_yscale("log")  # methods at 1 % and at 40 % on one readable axis
+    ax.yaxis.set_major_formatter(matplotlib_ticker().FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_ylabel("test error (%), eval mode, log scale")
     n = len(protocol["seeds"])
     ax.set_title(f"Test error vs batch size ({protocol['dataset']}, {protocol['train']['epochs']} epochs, "
                  f"mean ± std of {n} seed{'s' if n > 1 else ''})", fontsize=10)
