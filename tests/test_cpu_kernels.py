@@ -28,6 +28,14 @@ TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfl
 CL = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
+@pytest.fixture(autouse=True)
+def _threaded(monkeypatch):
+    # the test shapes are small: split them over threads anyway, so that every kernel's
+    # range boundaries and per-thread partial sums are exercised
+    monkeypatch.setattr(cpu, "_SERIAL_BELOW", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+
+
 def _close(got, want, dtype, what):
     got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"

@@ -515,8 +515,11 @@ def _np(t):
     return t.numpy()
 
 
-def _threads():
-    return max(1, torch.get_num_threads())
+_SERIAL_BELOW = 1 << 16   # elements: below this, handing work to a thread costs more
+
+
+def _threads(x):
+    return 1 if x.numel() < _SERIAL_BELOW else max(1, torch.get_num_threads())
 
 
 def _ncs(xv, grouping):
@@ -578,7 +581,7 @@ def _merge(mean, m2, count, axes):
 
 
 def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
-    nt = _threads()
+    nt = _threads(x)
     fmt = _FMT.get(x.dtype, 0)
     sdtype = stat_dtype(x.dtype)
     fixed = mean is not None
@@ -669,7 +672,7 @@ def _parts(n, s, nt):
 
 
 def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
-    nt = _threads()
+    nt = _threads(x)
     fmt = _FMT.get(x.dtype, 0)
     sdtype = mean.dtype
     layout = _layout(x, grouping)
