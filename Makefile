@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 EXTRAS := torch,fast,sklearn,io,dask,study,gpu,dev
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test study demo bench clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 tests
+
+study: $(STAMP)
+	$(BIN)/normkit study
 
 demo: $(STAMP)
 	$(BIN)/normkit demo

@@ -1,5 +1,8 @@
+"""``python -m normkit``: the same as the ``normkit`` command."""
+
 import sys
 
 from normkit.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())
