@@ -27,12 +27,13 @@ def _view(t, shape):
         return t.reshape(shape)
 
 
-def _to_param(grad, param, grouping):
+def _to_param(grad, shape, dtype, grouping):
+    """Bring a backend's parameter gradient to the parameter's shape and dtype."""
     if grad is None:
         return None
     if grouping.param_view is None:
-        grad = grad.sum_to_size(param.shape)
-    return grad.reshape(param.shape).to(param.dtype)
+        grad = grad.sum_to_size(shape)
+    return grad.reshape(shape).to(dtype)
 
 
 class NormFunction(torch.autograd.Function):
@@ -75,12 +76,10 @@ class NormFunction(torch.autograd.Function):
         else:
             dx, dw, db = ctx.backend.backward(grad_y, x, mean, rstd, weight, grouping,
                                               ctx.center, ctx.fixed, needs)
-        dw = _to_param(dw, weight, grouping) if weight is not None else None
-        if db is not None:
-            shape, dtype = ctx.bias_meta
-            if grouping.param_view is None:
-                db = db.sum_to_size(shape)
-            db = db.reshape(shape).to(dtype)
+        if weight is not None:
+            dw = _to_param(dw, weight.shape, weight.dtype, grouping)
+        if ctx.bias_meta is not None:
+            db = _to_param(db, *ctx.bias_meta, grouping)
         return dx, dw, db, None, None, None, None, None
 
 
