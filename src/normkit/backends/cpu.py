@@ -43,9 +43,6 @@ file or ``NUMBA_CACHE_DIR``); see ``docs/performance.md`` for the first-call cos
 from __future__ import annotations
 
 import math
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -54,47 +51,8 @@ from numba import njit
 from numba.core import types as nbt
 from numba.extending import intrinsic, overload, register_jitable
 
+from normkit.backends._parallel import launch as _launch
 from normkit.backends.torch_ops import stat_dtype
-
-# Threads: every kernel is a serial, GIL-free (nogil) loop over a range [lo, hi) of
-# independent work items; ``_launch`` splits the items into one contiguous range per
-# thread and runs them on a small thread pool (the calling thread takes the first).
-# Compared with numba's parallel=True this compiles about three times faster, and it
-# avoids numba's OpenMP layer, whose launches waited for torch's spinning OpenMP threads
-# (8-12 ms per call of a 64 x 256 RMSNorm on 2 cores).
-_POOL = None
-_POOL_LOCK = threading.Lock()
-
-
-def _reset_pool():
-    global _POOL
-    _POOL = None
-
-
-os.register_at_fork(after_in_child=_reset_pool)   # a forked child starts without threads
-
-
-def _pool(size):
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers < size:
-            _POOL = ThreadPoolExecutor(max_workers=size, thread_name_prefix="normkit-cpu")
-        return _POOL
-
-
-def _launch(kernel, total, nt, *args):
-    """``kernel(*args, lo, hi)`` over [0, total) in ``nt`` contiguous ranges at once."""
-    nt = max(1, min(nt, total))
-    step = -(-total // nt)
-    bounds = [(lo, min(total, lo + step)) for lo in range(0, total, step)]
-    if len(bounds) == 1:
-        kernel(*args, 0, total)
-        return
-    futures = [_pool(len(bounds) - 1).submit(kernel, *args, lo, hi) for lo, hi in bounds[1:]]
-    kernel(*args, *bounds[0])
-    for f in futures:
-        f.result()
-
 
 # strict IEEE arithmetic (so that the shifted sums below are not re-associated away); the
 # scalar reductions alone are marked re-associable by ``_acc``, which lets LLVM vectorize
