@@ -7,12 +7,13 @@ when numba (the ``fast`` extra) is missing.
 Memory is shared with torch, never copied: a detached CPU tensor's ``.numpy()`` is a view
 of its storage. Half-precision inputs are viewed as 16-bit integers and converted in
 registers -- bfloat16 as the top half of a float32, float16 by the F16C instructions LLVM
-emits for ``fpext``/``fptrunc`` -- both stored as ``uint16`` and told apart by a runtime
-flag, so every kernel is compiled three times: float64, float32 and 16-bit. Statistics are
-float32 (float64 for float64 inputs), merged across blocks in float64.
+emits for ``fpext``/``fptrunc`` -- bfloat16 seen as ``uint16``, float16 as ``int16``, so
+that each kernel compiles (on first use) one specialization per dtype with the conversion
+fixed in it. Statistics are float32 (float64 for float64 inputs), merged across blocks in
+float64.
 
 Kernel families, each a serial loop over a range of independent work items, run on one
-range per thread by ``_launch`` (see below):
+range per thread by ``_launch`` (``normkit.backends._parallel``: torch's OpenMP team):
 
 ``_rows_*``   LayerNorm / RMSNorm on a contiguous (M, K) view: one row per iteration.
               Forward: two passes over the row (mean, then squared deviations) while it
@@ -63,10 +64,9 @@ _JIT = dict(cache=True, nogil=True)
 _STORAGE = {
     torch.float64: torch.float64,
     torch.float32: torch.float32,
-    torch.bfloat16: torch.uint16,
-    torch.float16: torch.uint16,
+    torch.bfloat16: torch.uint16,   # the bits, told apart by the integer type: each
+    torch.float16: torch.int16,     # 16-bit format compiles a kernel of its own
 }
-_FMT = {torch.bfloat16: 1, torch.float16: 2}   # which 16-bit format (0: not 16-bit)
 _KINDS = ("layer", "batch", "instance", "group")
 _BLOCK_BYTES = 64 * 1024  # channels_last: rows of C per two-pass block (stays in L2)
 
@@ -100,7 +100,7 @@ def _f32_to_bf16(typingctx, f):
 
 @intrinsic
 def _f16_to_f32(typingctx, h):
-    """uint16 bits of a float16 -> float32."""
+    """int16 bits of a float16 -> float32."""
     def codegen(context, builder, sig, args):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
     return nbt.float32(h), codegen
@@ -108,10 +108,10 @@ def _f16_to_f32(typingctx, h):
 
 @intrinsic
 def _f32_to_f16(typingctx, f):
-    """float32 -> uint16 bits of a float16, rounded to nearest even."""
+    """float32 -> int16 bits of a float16, rounded to nearest even."""
     def codegen(context, builder, sig, args):
         return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-    return nbt.uint16(nbt.float32), codegen
+    return nbt.int16(nbt.float32), codegen
 
 
 @intrinsic
@@ -125,13 +125,12 @@ def _acc(typingctx, acc, v):
     return acc(acc, v), codegen
 
 
-def _ld(a, i, fmt):
-    """``a[i]`` as the compute type (float32; float64 for float64 storage). 16-bit storage
-    holds bfloat16 (``fmt == 1``) or float16 (``fmt == 2``) bits: one compiled kernel
-    serves both, the test on ``fmt`` being loop-invariant."""
+def _ld(a, i):
+    """``a[i]`` as the compute type (float32; float64 for float64 storage). ``uint16``
+    storage holds bfloat16 bits, ``int16`` storage float16 bits."""
 
 
-def _st(a, i, fmt, v):
+def _st(a, i, v):
     """``a[i] = v`` converted to the storage type."""
 
 
@@ -140,24 +139,26 @@ def _as(a, v):
 
 
 @overload(_ld)
-def _ld_impl(a, i, fmt):
+def _ld_impl(a, i):
     if a.dtype == nbt.uint16:
-        def ld_half(a, i, fmt):
-            h = a[i]
-            return _bf16_to_f32(h) if fmt == 1 else _f16_to_f32(h)
-        return ld_half
-    return lambda a, i, fmt: a[i]
+        return lambda a, i: _bf16_to_f32(a[i])
+    if a.dtype == nbt.int16:
+        return lambda a, i: _f16_to_f32(a[i])
+    return lambda a, i: a[i]
 
 
 @overload(_st)
-def _st_impl(a, i, fmt, v):
+def _st_impl(a, i, v):
     if a.dtype == nbt.uint16:
-        def st_half(a, i, fmt, v):
-            f = np.float32(v)
-            a[i] = _f32_to_bf16(f) if fmt == 1 else _f32_to_f16(f)
-        return st_half
+        def st_bf16(a, i, v):
+            a[i] = _f32_to_bf16(np.float32(v))
+        return st_bf16
+    if a.dtype == nbt.int16:
+        def st_f16(a, i, v):
+            a[i] = _f32_to_f16(np.float32(v))
+        return st_f16
 
-    def st(a, i, fmt, v):
+    def st(a, i, v):
         a[i] = v
     return st
 
@@ -182,7 +183,7 @@ def _plane(u, j, groups, cg, by_channel):
 # ---------------------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _rows_fwd(x, y, w, b, eps, center, mean, rstd, var, fmt, lo, hi):
+def _rows_fwd(x, y, w, b, eps, center, mean, rstd, var, lo, hi):
     """y = (x - mean) * rstd * w + b per row; mean = 0 and var = mean(x**2) without
     centering. x, y: (M, K) storage; w, b: (K,) stat dtype; mean, rstd, var: (M,)."""
     m, k = x.shape
@@ -192,16 +193,16 @@ def _rows_fwd(x, y, w, b, eps, center, mean, rstd, var, fmt, lo, hi):
         yr = y[r]                                                  # K
         # statistics of x - x0, x0 the row's first element: the shifted values are small
         # and exact for data far from 0 with a small spread
-        x0 = _ld(xr, 0, fmt) if center else _as(mean, 0.0)
+        x0 = _ld(xr, 0) if center else _as(mean, 0.0)
         mr = _as(mean, 0.0)                                        # mean - x0
         if center:
             s = _as(mean, 0.0)
             for i in range(k):
-                s = _acc(s, _ld(xr, i, fmt) - x0)
+                s = _acc(s, _ld(xr, i) - x0)
             mr = s * inv_k
         q = _as(mean, 0.0)
         for i in range(k):                                         # second pass, from L1
-            d = (_ld(xr, i, fmt) - x0) - mr
+            d = (_ld(xr, i) - x0) - mr
             q = _acc(q, d * d)
         v = q * inv_k
         rs = _as(mean, 1.0 / math.sqrt(v + eps))
@@ -209,11 +210,11 @@ def _rows_fwd(x, y, w, b, eps, center, mean, rstd, var, fmt, lo, hi):
         rstd[r] = rs
         var[r] = v
         for i in range(k):
-            _st(yr, i, fmt, ((_ld(xr, i, fmt) - x0) - mr) * (rs * w[i]) + b[i])
+            _st(yr, i, ((_ld(xr, i) - x0) - mr) * (rs * w[i]) + b[i])
 
 
 @njit(**_JIT)
-def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp, fmt, lo, hi):
+def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp, lo, hi):
     """dx = rstd * (g*w - c2 - xhat*c1) per row, c1 = mean(g*w*xhat), c2 = mean(g*w);
     dwp[t], dbp[t]: thread chunk t's partial sums of g*xhat and g (zero on entry)."""
     m, k = x.shape
@@ -229,8 +230,8 @@ def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp, fmt, lo, hi):
             c1 = _as(mean, 0.0)
             c2 = _as(mean, 0.0)
             for i in range(k):
-                gi = _ld(gr, i, fmt)
-                xh = (_ld(xr, i, fmt) - mu) * rs
+                gi = _ld(gr, i)
+                xh = (_ld(xr, i) - mu) * rs
                 dxh = gi * w[i]
                 c1 = _acc(c1, dxh * xh)
                 c2 = _acc(c2, dxh)
@@ -239,8 +240,8 @@ def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp, fmt, lo, hi):
             c1 *= inv_k
             c2 = c2 * inv_k if center else _as(mean, 0.0)
             for i in range(k):                                     # x, g rows from L1
-                xh = (_ld(xr, i, fmt) - mu) * rs
-                _st(dxr, i, fmt, (_ld(gr, i, fmt) * w[i] - c2 - xh * c1) * rs)
+                xh = (_ld(xr, i) - mu) * rs
+                _st(dxr, i, (_ld(gr, i) * w[i] - c2 - xh * c1) * rs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -248,7 +249,7 @@ def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp, fmt, lo, hi):
 # ---------------------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _units_fwd(x, y, w, b, eps, groups, by_channel, fixed, mean, rstd, var, fmt, lo, hi):
+def _units_fwd(x, y, w, b, eps, groups, by_channel, fixed, mean, rstd, var, lo, hi):
     """Normalize each unit (planes sharing a statistic) of x: (N, C, S). Units: channels
     (by_channel, BatchNorm) or (sample, group) with C/groups planes each. mean, rstd,
     var: (U,), read (fixed) or written."""
@@ -259,7 +260,7 @@ def _units_fwd(x, y, w, b, eps, groups, by_channel, fixed, mean, rstd, var, fmt,
     inv_s = _as(mean, 1.0 / s_)
     for u in range(lo, hi):
         n0, c0 = _plane(u, 0, groups, cg, by_channel)
-        x0 = _ld(x[n0, c0], 0, fmt)                                     # shift of the unit
+        x0 = _ld(x[n0, c0], 0)                                     # shift of the unit
         if fixed:
             mr, rs = _as(mean, mean[u] - x0), rstd[u]
         else:
@@ -269,11 +270,11 @@ def _units_fwd(x, y, w, b, eps, groups, by_channel, fixed, mean, rstd, var, fmt,
                 xb = x[n, c]                                       # S
                 s = _as(mean, 0.0)
                 for i in range(s_):
-                    s = _acc(s, _ld(xb, i, fmt) - x0)
+                    s = _acc(s, _ld(xb, i) - x0)
                 bm = s * inv_s                                     # block mean - x0
                 q = _as(mean, 0.0)
                 for i in range(s_):                                # from L1
-                    d = (_ld(xb, i, fmt) - x0) - bm
+                    d = (_ld(xb, i) - x0) - bm
                     q = _acc(q, d * d)
                 tot = cnt + s_                                     # Chan merge
                 delta = bm - mr64
@@ -289,11 +290,11 @@ def _units_fwd(x, y, w, b, eps, groups, by_channel, fixed, mean, rstd, var, fmt,
             xb, yb = x[n, c], y[n, c]                              # S
             sc, sh = rs * w[c], b[c]
             for i in range(s_):
-                _st(yb, i, fmt, ((_ld(xb, i, fmt) - x0) - mr) * sc + sh)
+                _st(yb, i, ((_ld(xb, i) - x0) - mr) * sc + sh)
 
 
 @njit(**_JIT)
-def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, sgx, fmt, lo, hi):
+def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, sgx, lo, hi):
     """dx of each unit of x: (N, C, S); sg[n, c] = sum(g), sgx[n, c] = sum(g * xhat)
     over each plane (dbias and dweight before the sum over n)."""
     n_, c_, s_ = x.shape
@@ -309,9 +310,9 @@ def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, s
             a = _as(mean, 0.0)
             q = _as(mean, 0.0)
             for i in range(s_):
-                gi = _ld(gb, i, fmt)
+                gi = _ld(gb, i)
                 a = _acc(a, gi)
-                q = _acc(q, gi * ((_ld(xb, i, fmt) - mu) * rs))
+                q = _acc(q, gi * ((_ld(xb, i) - mu) * rs))
             sg[n, c], sgx[n, c] = a, q
             c1 += w[c] * q
             c2 += w[c] * a
@@ -323,8 +324,8 @@ def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, s
             xb, gb, dxb = x[n, c], g[n, c], dx[n, c]               # S
             wc = w[c]
             for i in range(s_):
-                xh = (_ld(xb, i, fmt) - mu) * rs
-                _st(dxb, i, fmt, (_ld(gb, i, fmt) * wc - k2 - xh * k1) * rs)
+                xh = (_ld(xb, i) - mu) * rs
+                _st(dxb, i, (_ld(gb, i) * wc - k2 - xh * k1) * rs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -332,7 +333,7 @@ def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, s
 # ---------------------------------------------------------------------------------------
 
 @register_jitable
-def _cl_range_moments(x, n, s_begin, s_end, rb, am, a2, fmt):
+def _cl_range_moments(x, n, s_begin, s_end, rb, am, a2):
     """Per-channel mean and M2 (float64, written to am, a2: (C,)) of the rows
     [s_begin, s_end) of sample n of x: (N, S, C): a two-pass over blocks of rb rows (the
     block stays in L2), the blocks Chan-merged."""
@@ -349,14 +350,14 @@ def _cl_range_moments(x, n, s_begin, s_end, rb, am, a2, fmt):
         for s in range(s0, s1):
             xr = x[n, s]                                           # C
             for c in range(c_):
-                bs[c] += _ld(xr, c, fmt)
+                bs[c] += _ld(xr, c)
         for c in range(c_):
             bm[c] = bs[c] / nbk
             bs[c] = 0.0
         for s in range(s0, s1):                                    # block from L2
             xr = x[n, s]
             for c in range(c_):
-                d = _ld(xr, c, fmt) - bm[c]
+                d = _ld(xr, c) - bm[c]
                 bs[c] += d * d
         tot = cnt + nbk                                            # Chan merge
         for c in range(c_):
@@ -367,7 +368,7 @@ def _cl_range_moments(x, n, s_begin, s_end, rb, am, a2, fmt):
 
 
 @njit(**_JIT)
-def _cl_moments(x, parts, rb, pmean, pm2, fmt, lo, hi):
+def _cl_moments(x, parts, rb, pmean, pm2, lo, hi):
     """Per-(n, c) mean and M2 of x: (N, S, C) over each of ``parts`` ranges of S.
     pmean, pm2: (N, parts, C) float64; range p holds the rows [p*len, (p+1)*len) with
     len = ceil(S / parts)."""
@@ -376,11 +377,11 @@ def _cl_moments(x, parts, rb, pmean, pm2, fmt, lo, hi):
     for t in range(lo, hi):
         n, p = t // parts, t % parts
         _cl_range_moments(x, n, p * plen, min(s_, (p + 1) * plen), rb, pmean[n, p],
-                          pm2[n, p], fmt)
+                          pm2[n, p])
 
 
 @njit(**_JIT)
-def _cl_sample_fwd(x, y, w, b, eps, groups, rb, mean, rstd, var, fmt, lo, hi):
+def _cl_sample_fwd(x, y, w, b, eps, groups, rb, mean, rstd, var, lo, hi):
     """Instance/GroupNorm on channels_last, one sample per iteration: statistics of each
     (sample, group), then the sample normalized while it is still in L3 (x read from
     memory once). x, y: (N, S, C); mean, rstd, var: (N * groups,)."""
@@ -389,7 +390,7 @@ def _cl_sample_fwd(x, y, w, b, eps, groups, rb, mean, rstd, var, fmt, lo, hi):
     for n in range(lo, hi):
         am = np.empty(c_)                                          # float64
         a2 = np.empty(c_)
-        _cl_range_moments(x, n, 0, s_, rb, am, a2, fmt)
+        _cl_range_moments(x, n, 0, s_, rb, am, a2)
         mu = np.empty(c_, dtype=mean.dtype)
         sc = np.empty(c_, dtype=mean.dtype)
         for g in range(groups):                                    # Chan merge of channels
@@ -410,11 +411,11 @@ def _cl_sample_fwd(x, y, w, b, eps, groups, rb, mean, rstd, var, fmt, lo, hi):
         for s in range(s_):
             xr, yr = x[n, s], y[n, s]                              # C
             for c in range(c_):
-                _st(yr, c, fmt, (_ld(xr, c, fmt) - mu[c]) * sc[c] + b[c])
+                _st(yr, c, (_ld(xr, c) - mu[c]) * sc[c] + b[c])
 
 
 @njit(**_JIT)
-def _cl_apply(x, y, parts, mu, sc, sh, fmt, lo, hi):
+def _cl_apply(x, y, parts, mu, sc, sh, lo, hi):
     """y = (x - mu) * sc + sh with per-(n, c) coefficients (N, C); x, y: (N, S, C)."""
     n_, s_, c_ = x.shape
     plen = (s_ + parts - 1) // parts
@@ -424,11 +425,11 @@ def _cl_apply(x, y, parts, mu, sc, sh, fmt, lo, hi):
         for s in range(p * plen, min(s_, (p + 1) * plen)):
             xr, yr = x[n, s], y[n, s]                              # C
             for c in range(c_):
-                _st(yr, c, fmt, (_ld(xr, c, fmt) - mur[c]) * scr[c] + shr[c])
+                _st(yr, c, (_ld(xr, c) - mur[c]) * scr[c] + shr[c])
 
 
 @njit(**_JIT)
-def _cl_bwd_sums(g, x, parts, mu, rs, psg, psgx, fmt, lo, hi):
+def _cl_bwd_sums(g, x, parts, mu, rs, psg, psgx, lo, hi):
     """Per-(n, c) partial sums of g and g * xhat over each range of S; x, g: (N, S, C),
     mu, rs: (N, C); psg, psgx: (N, parts, C) float64."""
     n_, s_, c_ = x.shape
@@ -442,13 +443,13 @@ def _cl_bwd_sums(g, x, parts, mu, rs, psg, psgx, fmt, lo, hi):
         for s in range(p * plen, min(s_, (p + 1) * plen)):
             xr, gr = x[n, s], g[n, s]                              # C
             for c in range(c_):
-                gi = _ld(gr, c, fmt)
+                gi = _ld(gr, c)
                 a[c] += gi
-                q[c] += gi * ((_ld(xr, c, fmt) - mur[c]) * rsr[c])
+                q[c] += gi * ((_ld(xr, c) - mur[c]) * rsr[c])
 
 
 @njit(**_JIT)
-def _cl_bwd_apply(g, x, dx, parts, mu, k1, k2, k3, fmt, lo, hi):
+def _cl_bwd_apply(g, x, dx, parts, mu, k1, k2, k3, lo, hi):
     """dx = g * k1 - (x - mu) * k2 - k3 with per-(n, c) coefficients (N, C)."""
     n_, s_, c_ = x.shape
     plen = (s_ + parts - 1) // parts
@@ -458,7 +459,7 @@ def _cl_bwd_apply(g, x, dx, parts, mu, k1, k2, k3, fmt, lo, hi):
         for s in range(p * plen, min(s_, (p + 1) * plen)):
             xr, gr, dxr = x[n, s], g[n, s], dx[n, s]               # C
             for c in range(c_):
-                _st(dxr, c, fmt, _ld(gr, c, fmt) * k1r[c] - (_ld(xr, c, fmt) - mur[c]) * k2r[c] - k3r[c])
+                _st(dxr, c, _ld(gr, c) * k1r[c] - (_ld(xr, c) - mur[c]) * k2r[c] - k3r[c])
 
 
 # ---------------------------------------------------------------------------------------
@@ -540,7 +541,6 @@ def _merge(mean, m2, count, axes):
 
 def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
     nt = _threads(x)
-    fmt = _FMT.get(x.dtype, 0)
     sdtype = stat_dtype(x.dtype)
     fixed = mean is not None
     y = torch.empty_like(x)                                        # keeps channels_last
@@ -551,7 +551,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         w, b = _params(weight, bias, k, sdtype)
         mean, rstd, var = (torch.empty(m, dtype=sdtype) for _ in range(3))
         _launch(_rows_fwd, m, nt, _np(x), _np(y), _np(w), _np(b), float(eps), bool(center),
-                  _np(mean), _np(rstd), _np(var), fmt)
+                  _np(mean), _np(rstd), _np(var))
         return y, mean.view(shape), rstd.view(shape), var.view(shape)
 
     x3, y3 = _ncs(x, grouping), _ncs(y, grouping)
@@ -569,7 +569,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         else:
             mean_u, rstd_u, var_u = (torch.empty(units, dtype=sdtype) for _ in range(3))
         _launch(_units_fwd, units, nt, _np(x3), _np(y3), _np(w), _np(b), float(eps), groups, by_channel, fixed,
-                   _np(mean_u), _np(rstd_u), _np(var_u), fmt)
+                   _np(mean_u), _np(rstd_u), _np(var_u))
         if fixed:
             return y, mean, rstd, None
         return y, mean_u.view(shape), rstd_u.view(shape), var_u.view(shape)
@@ -581,7 +581,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         # one sample per iteration, normalized while in cache
         mean_u, rstd_u, var_u = (torch.empty(n * groups, dtype=sdtype) for _ in range(3))
         _launch(_cl_sample_fwd, n, nt, xt, yt, _np(w), _np(b), float(eps), groups, rb, _np(mean_u),
-                       _np(rstd_u), _np(var_u), fmt)
+                       _np(rstd_u), _np(var_u))
         return y, mean_u.view(shape), rstd_u.view(shape), var_u.view(shape)
     parts = _parts(n, s, nt)
     var = None
@@ -591,7 +591,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
     else:
         pmean = np.empty((n, parts, c))
         pm2 = np.empty((n, parts, c))
-        _launch(_cl_moments, n * parts, nt, xt, parts, rb, pmean, pm2, fmt)
+        _launch(_cl_moments, n * parts, nt, xt, parts, rb, pmean, pm2)
         plen = -(-s // parts)
         count = np.clip(s - plen * np.arange(parts), 0, plen).reshape(1, parts, 1)
         gmean, gm2, total = _merge(pmean, pm2, count.astype(np.float64), (1,))   # N,1,C
@@ -611,7 +611,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
     st = _NP_STAT[sdtype]
     sc = _c(rstd_nc * _np(w), st)
     sh = _c(np.broadcast_to(_np(b), (n, c)), st)
-    _launch(_cl_apply, n * parts, nt, xt, yt, parts, _c(mean_nc, st), sc, sh, fmt)
+    _launch(_cl_apply, n * parts, nt, xt, yt, parts, _c(mean_nc, st), sc, sh)
     return y, mean, rstd, var
 
 
@@ -631,7 +631,6 @@ def _parts(n, s, nt):
 
 def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     nt = _threads(x)
-    fmt = _FMT.get(x.dtype, 0)
     sdtype = mean.dtype
     layout = _layout(x, grouping)
     if layout == "rows":
@@ -642,7 +641,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         dwp = np.zeros((nt, k), dtype=_NP_STAT[sdtype])
         dbp = np.zeros((nt, k), dtype=_NP_STAT[sdtype])
         _launch(_rows_bwd, nt, nt, _np(grad), _np(x), _np(w), _np(mean.reshape(m)), _np(rstd.reshape(m)),
-                  bool(center), _np(dx), dwp, dbp, fmt)
+                  bool(center), _np(dx), dwp, dbp)
         dw = torch.from_numpy(dwp.sum(0)).view(1, k) if needs[1] else None
         db = torch.from_numpy(dbp.sum(0)).view(1, k) if needs[2] else None
         return (dx if needs[0] else None), dw, db
@@ -665,7 +664,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         sg = np.empty((n, c), dtype=_NP_STAT[sdtype])
         sgx = np.empty((n, c), dtype=_NP_STAT[sdtype])
         _launch(_units_bwd, units, nt, _np(g3), _np(x3), _np(w), _np(mean_u), _np(rstd_u), groups, by_channel,
-                   bool(center), bool(fixed), _np(dx), sg, sgx, fmt)
+                   bool(center), bool(fixed), _np(dx), sg, sgx)
         sg64, sgx64 = sg.astype(np.float64), sgx.astype(np.float64)
     else:
         g3 = grad.reshape(n, c, s)
@@ -677,7 +676,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         rstd_nc = _np(_stats_nc(rstd, grouping, n, c))
         psg = np.empty((n, parts, c))
         psgx = np.empty((n, parts, c))
-        _launch(_cl_bwd_sums, n * parts, nt, gt, xt, parts, mean_nc, rstd_nc, psg, psgx, fmt)
+        _launch(_cl_bwd_sums, n * parts, nt, gt, xt, parts, mean_nc, rstd_nc, psg, psgx)
         sg64, sgx64 = psg.sum(1), psgx.sum(1)                                   # N, C
         w64 = _np(w).astype(np.float64)
         if fixed:
@@ -696,7 +695,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         st = _NP_STAT[sdtype]
         k1, k2, k3 = _c(r64 * w64, st), _c(r64 * r64 * c1, st), _c(r64 * c2, st)
         dx3 = torch.empty_like(x3)
-        _launch(_cl_bwd_apply, n * parts, nt, gt, xt, _np(dx3).transpose(0, 2, 1), parts, mean_nc, k1, k2, k3, fmt)
+        _launch(_cl_bwd_apply, n * parts, nt, gt, xt, _np(dx3).transpose(0, 2, 1), parts, mean_nc, k1, k2, k3)
         dx = dx3
     dw = db = None
     if needs[1]:
