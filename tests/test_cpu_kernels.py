@@ -277,6 +277,28 @@ def test_instance_norm_fixed_statistics(shape, layout, dtype):
         x, w, b, dy, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["batch", "group", "instance"])
+def test_channels_last_small_blocks_and_groups(op, dtype, monkeypatch):
+    # tiny two-pass blocks (16 rows) read in runs of 2 rows of C: several blocks per
+    # range (S = 63: the last block of 15 rows, a partial run), block-wise flushes in
+    # backward
+    monkeypatch.setattr(cpu, "_BLOCK_BYTES", 200 * dtype.itemsize)
+    monkeypatch.setattr(cpu, "_RUN_LANES", 24)
+    shape, c = (3, 12, 7, 9), 12
+    assert cpu._cl_blocks(c, dtype.itemsize) == (16, 2)
+    x, w, b, dy = _inputs(shape, dtype, c, "channels_last", offset=3.0)
+    fn, ref = {
+        "batch": (lambda x, w, b: NF.batch_norm(x, None, None, w, b, training=True),
+                  lambda x, w, b: reference.batch_norm_forward(x, None, None, w, b, True)),
+        "group": (lambda x, w, b: NF.group_norm(x, 3, w, b),
+                  lambda x, w, b: reference.group_norm_forward(x, 3, w, b)),
+        "instance": (lambda x, w, b: NF.instance_norm(x, weight=w, bias=b),
+                     lambda x, w, b: reference.instance_norm_forward(x, w, b)),
+    }[op]
+    _check_against_reference(_run(fn, x, w, b, dy), ref, x, w, b, dy, dtype)
+
+
 def test_batch_norm_channels_last_expanded_grad_and_no_affine():
     x = torch.randn(4, 8, 6, 5).to(memory_format=torch.channels_last).requires_grad_(True)
     NF.batch_norm(x, None, None, training=True).sum().backward()
