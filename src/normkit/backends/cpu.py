@@ -25,10 +25,11 @@ range per thread by ``_launch`` (``normkit.backends._parallel``: torch's OpenMP 
               Each plane's moments come from a two-pass over the plane, merged across
               planes by Chan's formula; the unit is then normalized while still in L2,
               so x is read from memory once.
-``_cl_*``     the same three on channels_last, viewed (N, S, C): rows of C channels.
-              Per-(n, c) moments over blocks of rows (two-pass inside the block, Chan
-              merge across blocks), merged into the grouping's statistics in float64 by
-              ``_merge``, then one pass applies per-(n, c) coefficients.
+``_cl_*``     the same three on channels_last, viewed (N, S*C): rows of C channels.
+              Per-(n, c) moments over blocks of rows (two-pass inside the block, read as
+              runs of several rows into lanes, Chan merge across blocks), merged into
+              the grouping's statistics in float64 by ``_merge``, then one pass applies
+              per-(n, c) coefficients.
 
 Backward everywhere: with ``dxhat = g * w``, ``c1 = mean(dxhat * xhat)`` and
 ``c2 = mean(dxhat)`` over the group (``c2 = 0`` without centering, both 0 for fixed
