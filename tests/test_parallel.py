@@ -75,6 +75,29 @@ def test_nested_launch_covers_every_range():
         assert covered == list(range(6))
 
 
+def test_launches_from_several_python_threads_at_once():
+    # each Python thread is the master of its own OpenMP team; the results must not mix
+    import numpy as np
+
+    import normkit.functional as NF
+
+    xs = [torch.randn(256, 512, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    want = [torch.nn.functional.layer_norm(x, (512,)) for x in xs]
+    got = [None] * 4
+
+    def work(i):
+        for _ in range(5):
+            got[i] = NF.layer_norm(xs[i], (512,))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5)
+
+
 def test_forked_child_runs_threaded_kernels():
     # GNU OpenMP is not fork-safe: a child of a process that opened a parallel region
     # falls back to normkit's own threads instead of hanging
