@@ -299,6 +299,26 @@ def test_channels_last_small_blocks_and_groups(op, dtype, monkeypatch):
     _check_against_reference(_run(fn, x, w, b, dy), ref, x, w, b, dy, dtype)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("offset", [1e3, 3e4])
+def test_group_and_batch_norm_of_data_far_from_zero(layout, offset):
+    # fp32 data with |mean| >> std: the error must stay at the input's own rounding
+    # (ulp(offset) ~ offset * 6e-8). torch 2.13's channels_last GroupNorm takes
+    # E[x^2] - E[x]^2 and is off by 2.5 at offset 1e3, by 1e3 at 1e4.
+    gen = torch.Generator().manual_seed(0)
+    x64 = torch.randn(4, 64, 28, 28, generator=gen, dtype=torch.float64) + offset
+    x = x64.float()
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x64 = x.double()                                       # the rounded input, exactly
+    tol = 5 * offset * 2.0 ** -24
+    for got, want in (
+            (NF.group_norm(x, 8), F.group_norm(x64, 8)),
+            (NF.batch_norm(x, None, None, training=True),
+             F.batch_norm(x64, None, None, training=True))):
+        assert (got.double() - want).abs().max().item() < tol
+
+
 def test_batch_norm_channels_last_expanded_grad_and_no_affine():
     x = torch.randn(4, 8, 6, 5).to(memory_format=torch.channels_last).requires_grad_(True)
     NF.batch_norm(x, None, None, training=True).sum().backward()
