@@ -49,11 +49,16 @@ QUICK_SHAPES = {
 }
 ALLOCATORS = {
     "default": ({}, "glibc default: outputs over the mmap threshold (<= 32 MiB) are fresh "
-                    "pages that fault on every call"),
+                    "pages that fault on every call (4 KiB at a time for torch's; normkit "
+                    "advises its large outputs huge pages where THP is in madvise mode)"),
     "no-mmap": ({"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)},
                 "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2**40: large blocks come from "
                 "the heap and stay there when freed, so they are reused without page "
                 "faults"),
+    "thp": ({"THP_MEM_ALLOC_ENABLE": "1"},
+            "THP_MEM_ALLOC_ENABLE=1: torch's allocator asks for transparent huge pages for "
+            "large tensors too (normkit's outputs get them in every setting where the "
+            "kernel's THP mode is madvise), so fresh outputs fault 2 MiB at a time"),
 }
 
 
@@ -154,7 +159,12 @@ def _environment():
             thp = f.read().strip()
     except OSError:
         thp = "unknown"
+    from normkit.backends import _memory, _parallel
+
     return dict(threads=torch.get_num_threads(), torch=torch.__version__,
+                kernel_threads=_parallel.backend(),
+                normkit_huge_pages=_memory.huge_pages_advised(),
+                thp_mem_alloc_enable=os.environ.get("THP_MEM_ALLOC_ENABLE", "default"),
                 malloc_mmap_max=os.environ.get("MALLOC_MMAP_MAX_", "default"),
                 malloc_trim_threshold=os.environ.get("MALLOC_TRIM_THRESHOLD_", "default"),
                 transparent_hugepage=thp, cpu_count=os.cpu_count())
@@ -186,7 +196,8 @@ def run(case_list, repeats=7, allocators=("default", "no-mmap"), threads=2, prog
                   statistic=f"median of {repeats} interleaved repeats")
     for name in allocators:
         env_extra, desc = ALLOCATORS[name]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("MALLOC_") and k != "THP_MEM_ALLOC_ENABLE"}
         env.update(env_extra)
         env["OMP_NUM_THREADS"] = str(threads)
         with tempfile.TemporaryDirectory() as tmp:

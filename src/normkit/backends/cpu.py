@@ -53,6 +53,7 @@ from numba import njit
 from numba.core import types as nbt
 from numba.extending import intrinsic, overload, register_jitable
 
+from normkit.backends._memory import empty_like as _empty_like
 from normkit.backends._parallel import launch as _launch
 from normkit.backends.torch_ops import stat_dtype
 
@@ -596,7 +597,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
     nt = _threads(x)
     sdtype = stat_dtype(x.dtype)
     fixed = mean is not None
-    y = torch.empty_like(x)                                        # keeps channels_last
+    y = _empty_like(x)                                             # keeps channels_last
     layout = _layout(x, grouping)
     shape = grouping.stat_shape
     if layout == "rows":
@@ -703,7 +704,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         grad = grad.contiguous()
         m, k = grouping.view
         w, _ = _params(weight, None, k, sdtype)
-        dx = torch.empty_like(x)
+        dx = _empty_like(x)
         dwp = np.zeros((nt, k), dtype=_NP_STAT[sdtype])
         dbp = np.zeros((nt, k), dtype=_NP_STAT[sdtype])
         _launch(_rows_bwd, nt, nt, _np(grad), _np(x), _np(w), _np(mean.reshape(m)), _np(rstd.reshape(m)),
@@ -719,7 +720,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     groups = {"batch": c, "instance": c, "group": grouping.view[1]}[grouping.kind]
     if layout == "nchw":
         g3 = grad.reshape(n, c, s).contiguous()
-        dx = torch.empty_like(x3)
+        dx = _empty_like(x3)
         by_channel = grouping.kind == "batch"
         units = c if by_channel else n * groups
         if grouping.kind == "group":
@@ -762,7 +763,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
                 c2 = np.zeros((n, c))
         r64 = rstd_nc.astype(np.float64)
         k1, k2, k3 = (_c(k, st) for k in (r64 * w64, r64 * r64 * c1, r64 * c2))
-        dx = torch.empty_like(x3)
+        dx = _empty_like(x3)
         _launch(_cl_bwd_apply, n * parts, nt, gt, xt, _cl_flat(dx), c, parts, mean_nc,
                 k1, k2, k3)
     dw = db = None

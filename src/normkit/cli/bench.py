@@ -14,6 +14,8 @@ def register(subparsers):
                     "tensor, interleaved in one run, for each op x shape x dtype x layout x "
                     "mode; measured once with the default allocator and once with "
                     "MALLOC_MMAP_MAX_=0 (which removes the page faults of fresh large "
+                    "outputs); --allocators thp adds a run with THP_MEM_ALLOC_ENABLE=1 "
+                    "(torch's allocator asks for huge pages, as normkit does for its "
                     "outputs).")
     from normkit.bench import DTYPES, MODES, OPS
 
@@ -21,7 +23,7 @@ def register(subparsers):
     p.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "float16",
                                                     "float64"), default=list(DTYPES))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--allocators", nargs="+", choices=("default", "no-mmap"),
+    p.add_argument("--allocators", nargs="+", choices=("default", "no-mmap", "thp"),
                    default=["default", "no-mmap"])
     p.add_argument("--threads", type=int, default=2, help="torch and numba threads (2)")
     p.add_argument("--repeats", type=int, default=None,

@@ -1,0 +1,42 @@
+"""``normkit.backends._memory.empty_like``: torch's empty_like, with the 2 MiB-aligned
+interior of large outputs advised MADV_HUGEPAGE (and nothing else changed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from normkit.backends import _memory
+
+HUGE = 1 << 21
+
+
+@pytest.mark.parametrize("shape,fmt", [((3, 5), torch.contiguous_format),
+                                       ((64, 256, 16, 16), torch.channels_last),
+                                       ((2048, 2048), torch.contiguous_format)])
+def test_same_as_torch_empty_like(shape, fmt):
+    x = torch.randn(shape).contiguous(memory_format=fmt)
+    y = _memory.empty_like(x)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.stride() == x.stride()
+
+
+def test_large_outputs_advise_their_aligned_interior(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_memory, "_MADVISE", lambda addr, n, advice: calls.append((addr, n, advice)))
+    small = _memory.empty_like(torch.empty(1024, 1024))          # 4 MiB: below the limit
+    assert calls == [] and small.numel() == 1024 * 1024
+    big = _memory.empty_like(torch.empty(4096, 1024, 3))       # 48 MiB
+    (addr, n, advice), = calls
+    start, end = big.data_ptr(), big.data_ptr() + big.numel() * 4
+    assert advice == 14 and addr % HUGE == 0 and n % HUGE == 0
+    assert start <= addr < start + HUGE and end - HUGE < addr + n <= end
+
+
+def test_switched_off_by_the_environment():
+    code = ("from normkit.backends import _memory; import sys; "
+            "sys.exit(0 if not _memory.huge_pages_advised() else 1)")
+    env = {"NORMKIT_HUGE_PAGES": "0", "PATH": ""}
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
