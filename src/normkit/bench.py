@@ -154,11 +154,6 @@ def measure(case, repeats=7, warmup=2):
 def _environment():
     import torch
 
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read().strip()
-    except OSError:
-        thp = "unknown"
     from normkit.backends import _memory, _parallel
 
     return dict(threads=torch.get_num_threads(), torch=torch.__version__,
@@ -167,7 +162,7 @@ def _environment():
                 thp_mem_alloc_enable=os.environ.get("THP_MEM_ALLOC_ENABLE", "default"),
                 malloc_mmap_max=os.environ.get("MALLOC_MMAP_MAX_", "default"),
                 malloc_trim_threshold=os.environ.get("MALLOC_TRIM_THRESHOLD_", "default"),
-                transparent_hugepage=thp, cpu_count=os.cpu_count())
+                transparent_hugepage=_memory.thp_mode(), cpu_count=os.cpu_count())
 
 
 def run_here(case_list, repeats=7, progress=True, label=""):

@@ -24,23 +24,28 @@ import sys
 
 import torch
 
-__all__ = ["empty_like", "huge_pages_advised"]
+__all__ = ["empty_like", "huge_pages_advised", "thp_mode"]
 
 _HUGE = 1 << 21            # 2 MiB, the x86-64 and arm64 (4 KiB base page) huge page
 _MIN_BYTES = 4 * _HUGE      # smaller outputs keep the default
 _MADV_HUGEPAGE = 14
 
 
+def thp_mode() -> str:
+    """The kernel's transparent-huge-page setting, e.g. ``"always [madvise] never"``
+    (the bracketed one is in force), or ``"unknown"``."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
 def _madvise():
     """libc's ``madvise`` where advising huge pages can help, else None."""
     if sys.platform != "linux" or os.environ.get("NORMKIT_HUGE_PAGES", "1") == "0":
         return None
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            mode = f.read()
-    except OSError:
-        return None
-    if "[madvise]" not in mode:
+    if "[madvise]" not in thp_mode():
         return None
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise

@@ -332,7 +332,7 @@ def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, s
 
 
 # ---------------------------------------------------------------------------------------
-# the same on channels_last, viewed (N, S, C)
+# the same on channels_last, viewed (N, S*C)
 # ---------------------------------------------------------------------------------------
 
 # The reductions below read a block of rows as runs of rg rows, i.e. rg*C consecutive

@@ -17,13 +17,13 @@ def register(subparsers):
                     "outputs); --allocators thp adds a run with THP_MEM_ALLOC_ENABLE=1 "
                     "(torch's allocator asks for huge pages, as normkit does for its "
                     "outputs).")
-    from normkit.bench import DTYPES, MODES, OPS
+    from normkit.bench import ALLOCATORS, DTYPES, MODES, OPS
 
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="op families")
     p.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "float16",
                                                     "float64"), default=list(DTYPES))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--allocators", nargs="+", choices=("default", "no-mmap", "thp"),
+    p.add_argument("--allocators", nargs="+", choices=tuple(ALLOCATORS),
                    default=["default", "no-mmap"])
     p.add_argument("--threads", type=int, default=2, help="torch and numba threads (2)")
     p.add_argument("--repeats", type=int, default=None,
