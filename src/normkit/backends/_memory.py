@@ -6,8 +6,9 @@ threshold that way), so the first write to each 4 KiB page faults into the kerne
 copy, torch's and normkit's alike. Where the kernel runs transparent huge pages in
 ``madvise`` mode (a common default), ``empty_like`` marks the 2 MiB-aligned interior of a
 large new output ``MADV_HUGEPAGE`` before anything touches it, so it faults 2 MiB at a
-time: LayerNorm forward 8192 x 4096 fp32 went from 57 to 19 ms (torch: 58 ms; torch does
-the same for its own allocations with ``THP_MEM_ALLOC_ENABLE=1``).
+time: LayerNorm forward 8192 x 4096 fp32 takes 19.6-23.8 ms advised against 47.5-54.4 ms
+not (torch: 41-57 ms; ``benchmarks/bench_runtime.py``). torch does the same for its own
+allocations with ``THP_MEM_ALLOC_ENABLE=1``.
 
 The advice changes no value and no layout; it is skipped for outputs under 8 MiB, off
 Linux, when huge pages are ``never`` (nothing to gain) or ``always`` (already used), and

@@ -337,10 +337,11 @@ def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, s
 
 # The reductions below read a block of rows as runs of rg rows, i.e. rg*C consecutive
 # elements accumulated into rg*C lanes (lane j holds channel j % C), folded to channels
-# per block: one long sequential stream per input. Measured on 32x256x56x56, memory-bound,
-# 2 threads: the moments pass 0.67 x a copy this way against 0.96 with a 4-row unrolled
-# C-long loop (its four interleaved streams defeat the prefetcher), the backward sums
-# 1.29 against 1.65. The affine passes go a row at a time (as fast, fewer coefficients).
+# per block: one long sequential stream per input. In a development run on 32x256x56x56,
+# memory-bound, 2 threads: the moments pass 0.67 x a copy this way against 0.96 with a
+# 4-row unrolled C-long loop (its four interleaved streams defeat the prefetcher), the
+# backward sums 1.29 against 1.65 (docs/performance.md). The affine passes go a row at a
+# time (as fast, fewer coefficients).
 
 @register_jitable
 def _fold(lanes, out, c_, rg):
@@ -502,7 +503,8 @@ def _cl_bwd_sums(g, x, c_, parts, rb, rg, mu, rs, psg, psgx, lo, hi):
 @njit(**_JIT)
 def _cl_bwd_apply(g, x, dx, c_, parts, mu, k1, k2, k3, lo, hi):
     """dx = g * k1 - (x - mu) * k2 - k3 with per-(n, c) coefficients (N, C), a row at a
-    time (four rows at once measured slower here: 0.90 against 0.77 cycles per element)."""
+    time (four rows at once measured slower in development: 0.90 against 0.77 cycles per
+    element in cache)."""
     s_ = x.shape[1] // c_
     plen = (s_ + parts - 1) // parts
     for t in range(lo, hi):
