@@ -299,6 +299,28 @@ def test_channels_last_small_blocks_and_groups(op, dtype, monkeypatch):
     _check_against_reference(_run(fn, x, w, b, dy), ref, x, w, b, dy, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_nchw_small_channel_blocks(training, dtype, monkeypatch):
+    # blocks of 2 channels (C = 7 over 3 threads: ranges of 3, 2, 2, the first one
+    # ending in a partial block), every block walked sample by sample
+    shape, c = (5, 7, 4, 6), 7
+    monkeypatch.setattr(cpu, "_CHANNEL_BLOCK_BYTES", 2 * 5 * 24 * dtype.itemsize)
+    assert cpu._channel_block(5 * 24 * dtype.itemsize) == 2
+    x, w, b, dy = _inputs(shape, dtype, c, offset=2.5)
+    rm = torch.randn(c, dtype=torch.float64).to(dtype)
+    rv = (torch.rand(c, dtype=torch.float64) + 0.5).to(dtype)
+    fn = lambda x, w, b: NF.batch_norm(x, rm.clone(), rv.clone(), w, b, training=training)
+    _check_against_reference(
+        _run(fn, x, w, b, dy),
+        lambda x, w, b: reference.batch_norm_forward(x, _np(rm), _np(rv), w, b, training),
+        x, w, b, dy, dtype)
+    want = _run(lambda x, w, b: F.batch_norm(x, rm.clone(), rv.clone(), w, b,
+                                             training=training), x, w, b, dy)
+    for g, t, name in zip(_run(fn, x, w, b, dy), want, ("y", "dx", "dweight", "dbias")):
+        _close(_np(g), _np(t), dtype, f"{name} vs torch")
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("offset", [1e3, 3e4])
 def test_group_and_batch_norm_of_data_far_from_zero(layout, offset):

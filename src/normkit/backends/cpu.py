@@ -297,6 +297,60 @@ def _units_fwd(x, y, w, b, eps, groups, by_channel, fixed, mean, rstd, var, lo, 
 
 
 @njit(**_JIT)
+def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
+    """BatchNorm on contiguous NCHW, x: (N, C, S): the channels [lo, hi) in blocks of cb.
+    The planes (n, c0..c0+cb) of a block lie side by side in memory, so each pass walks
+    them sample by sample as one stream of cb planes (one plane per channel at a stride
+    of C*S, as ``_units_fwd`` reads a channel, restarts the prefetcher every plane): plane
+    moments by two-pass (in L1), Chan-merged per channel, then the block normalized from
+    L2/L3. mean, rstd, var: (C,), read (fixed) or written."""
+    n_, c_, s_ = x.shape
+    inv_s = _as(mean, 1.0 / s_)
+    pm = np.empty((cb, n_))                                        # plane mean - x0
+    pq = np.empty((cb, n_))                                        # plane M2
+    mr_ = np.empty(cb, dtype=mean.dtype)                           # channel mean - x0
+    for c0 in range(lo, hi, cb):
+        c1 = min(hi, c0 + cb)
+        if fixed:
+            for c in range(c0, c1):
+                mr_[c - c0] = mean[c] - _ld(x[0, c], 0)
+        else:
+            for n in range(n_):                                    # cb planes in a row
+                for c in range(c0, c1):
+                    x0 = _ld(x[0, c], 0)                           # shift of the channel
+                    xb = x[n, c]                                   # S
+                    s = _as(mean, 0.0)
+                    for i in range(s_):
+                        s = _acc(s, _ld(xb, i) - x0)
+                    bm = s * inv_s
+                    q = _as(mean, 0.0)
+                    for i in range(s_):                            # from L1
+                        d = (_ld(xb, i) - x0) - bm
+                        q = _acc(q, d * d)
+                    pm[c - c0, n], pq[c - c0, n] = bm, q
+            for c in range(c0, c1):                                # Chan merge over n
+                cnt, mr64, m2 = 0.0, 0.0, 0.0
+                for n in range(n_):
+                    tot = cnt + s_
+                    delta = pm[c - c0, n] - mr64
+                    mr64 += delta * s_ / tot
+                    m2 += pq[c - c0, n] + delta * delta * cnt * s_ / tot
+                    cnt = tot
+                v = m2 / cnt
+                mr_[c - c0] = mr64
+                rstd[c] = 1.0 / math.sqrt(v + eps)
+                mean[c], var[c] = _ld(x[0, c], 0) + mr64, v
+        for n in range(n_):                                        # block from L2/L3
+            for c in range(c0, c1):
+                x0 = _ld(x[0, c], 0)
+                xb, yb = x[n, c], y[n, c]                          # S
+                mr = mr_[c - c0]
+                sc, sh = rstd[c] * w[c], b[c]
+                for i in range(s_):
+                    _st(yb, i, ((_ld(xb, i) - x0) - mr) * sc + sh)
+
+
+@njit(**_JIT)
 def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, sgx, lo, hi):
     """dx of each unit of x: (N, C, S); sg[n, c] = sum(g), sgx[n, c] = sum(g * xhat)
     over each plane (dbias and dweight before the sum over n)."""
@@ -624,8 +678,13 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
             var_u = torch.empty(units, dtype=sdtype)
         else:
             mean_u, rstd_u, var_u = (torch.empty(units, dtype=sdtype) for _ in range(3))
-        _launch(_units_fwd, units, nt, _np(x3), _np(y3), _np(w), _np(b), float(eps), groups, by_channel, fixed,
-                   _np(mean_u), _np(rstd_u), _np(var_u))
+        if by_channel:
+            cb = _channel_block(n * s * x.element_size())
+            _launch(_channels_fwd, units, nt, _np(x3), _np(y3), _np(w), _np(b), float(eps), cb,
+                    fixed, _np(mean_u), _np(rstd_u), _np(var_u))
+        else:
+            _launch(_units_fwd, units, nt, _np(x3), _np(y3), _np(w), _np(b), float(eps), groups,
+                    False, fixed, _np(mean_u), _np(rstd_u), _np(var_u))
         if fixed:
             return y, mean, rstd, None
         return y, mean_u.view(shape), rstd_u.view(shape), var_u.view(shape)
@@ -691,6 +750,14 @@ def _cl_blocks(c, itemsize):
     lanes (about ``_RUN_LANES`` elements); the block is a whole number of runs."""
     rg = max(1, _RUN_LANES // c)
     return max(1, _BLOCK_BYTES // (c * itemsize) // rg) * rg, rg
+
+
+_CHANNEL_BLOCK_BYTES = 4 << 20  # BatchNorm NCHW: bytes of x per block of channels (L3)
+
+
+def _channel_block(channel_bytes):
+    """Channels per block of ``_channels_fwd``: about ``_CHANNEL_BLOCK_BYTES`` of x."""
+    return max(1, _CHANNEL_BLOCK_BYTES // channel_bytes)
 
 
 def _parts(n, s, nt):
