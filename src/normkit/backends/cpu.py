@@ -24,7 +24,9 @@ range per thread by ``_launch`` (``normkit.backends._parallel``: torch's OpenMP 
               (sample, group) for GroupNorm, a plane for InstanceNorm) per iteration.
               Each plane's moments come from a two-pass over the plane, merged across
               planes by Chan's formula; the unit is then normalized while still in L2,
-              so x is read from memory once.
+              so x is read from memory once. BatchNorm's forward is ``_channels_fwd``:
+              blocks of channels walked sample by sample, so that the planes it reads
+              in a row are adjacent in memory.
 ``_cl_*``     the same three on channels_last, viewed (N, S*C): rows of C channels.
               Per-(n, c) moments over blocks of rows (two-pass inside the block, read as
               runs of several rows into lanes, Chan merge across blocks), merged into
@@ -251,45 +253,51 @@ def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp, lo, hi):
 # Batch/Instance/GroupNorm on contiguous NCHW, viewed (N, C, S)
 # ---------------------------------------------------------------------------------------
 
+@register_jitable
+def _plane_moments(xb, x0, inv_s, sdt):
+    """(mean - x0, M2) of the plane xb: (S,) by two-pass, in the dtype of sdt's array
+    (the plane stays in L1 for the second pass)."""
+    s = _as(sdt, 0.0)
+    for i in range(xb.shape[0]):
+        s = _acc(s, _ld(xb, i) - x0)
+    bm = s * inv_s
+    q = _as(sdt, 0.0)
+    for i in range(xb.shape[0]):                                   # from L1
+        d = (_ld(xb, i) - x0) - bm
+        q = _acc(q, d * d)
+    return bm, q
+
+
+@register_jitable
+def _chan(cnt, mean, m2, n_b, mean_b, m2_b):
+    """Chan's merge of (cnt, mean, M2) with a block of n_b elements (float64)."""
+    tot = cnt + n_b
+    delta = mean_b - mean
+    return tot, mean + delta * n_b / tot, m2 + (m2_b + delta * delta * cnt * n_b / tot)
+
+
 @njit(**_JIT)
-def _units_fwd(x, y, w, b, eps, groups, by_channel, fixed, mean, rstd, var, lo, hi):
-    """Normalize each unit (planes sharing a statistic) of x: (N, C, S). Units: channels
-    (by_channel, BatchNorm) or (sample, group) with C/groups planes each. mean, rstd,
-    var: (U,), read (fixed) or written."""
+def _units_fwd(x, y, w, b, eps, groups, fixed, mean, rstd, var, lo, hi):
+    """Instance/GroupNorm: normalize each unit (sample, group) of x: (N, C, S), i.e.
+    C/groups adjacent planes. mean, rstd, var: (N * groups,), read (fixed) or written."""
     n_, c_, s_ = x.shape
     cg = c_ // groups
-    nu = c_ if by_channel else n_ * groups
-    nb = n_ if by_channel else cg
     inv_s = _as(mean, 1.0 / s_)
     for u in range(lo, hi):
-        n0, c0 = _plane(u, 0, groups, cg, by_channel)
-        x0 = _ld(x[n0, c0], 0)                                     # shift of the unit
+        n, c0 = u // groups, (u % groups) * cg
+        x0 = _ld(x[n, c0], 0)                                      # shift of the unit
         if fixed:
             mr, rs = _as(mean, mean[u] - x0), rstd[u]
         else:
             cnt, mr64, m2 = 0.0, 0.0, 0.0                          # float64 merge
-            for j in range(nb):
-                n, c = _plane(u, j, groups, cg, by_channel)
-                xb = x[n, c]                                       # S
-                s = _as(mean, 0.0)
-                for i in range(s_):
-                    s = _acc(s, _ld(xb, i) - x0)
-                bm = s * inv_s                                     # block mean - x0
-                q = _as(mean, 0.0)
-                for i in range(s_):                                # from L1
-                    d = (_ld(xb, i) - x0) - bm
-                    q = _acc(q, d * d)
-                tot = cnt + s_                                     # Chan merge
-                delta = bm - mr64
-                mr64 += delta * s_ / tot
-                m2 += q + delta * delta * cnt * s_ / tot
-                cnt = tot
+            for c in range(c0, c0 + cg):
+                bm, q = _plane_moments(x[n, c], x0, inv_s, mean)
+                cnt, mr64, m2 = _chan(cnt, mr64, m2, s_, bm, q)
             v = m2 / cnt
             mr = _as(mean, mr64)
             rs = _as(mean, 1.0 / math.sqrt(v + eps))
             mean[u], rstd[u], var[u] = x0 + mr64, rs, v
-        for j in range(nb):                                        # unit still in L2
-            n, c = _plane(u, j, groups, cg, by_channel)
+        for c in range(c0, c0 + cg):                               # unit still in L2
             xb, yb = x[n, c], y[n, c]                              # S
             sc, sh = rs * w[c], b[c]
             for i in range(s_):
@@ -300,10 +308,10 @@ def _units_fwd(x, y, w, b, eps, groups, by_channel, fixed, mean, rstd, var, lo, 
 def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
     """BatchNorm on contiguous NCHW, x: (N, C, S): the channels [lo, hi) in blocks of cb.
     The planes (n, c0..c0+cb) of a block lie side by side in memory, so each pass walks
-    them sample by sample as one stream of cb planes (one plane per channel at a stride
-    of C*S, as ``_units_fwd`` reads a channel, restarts the prefetcher every plane): plane
-    moments by two-pass (in L1), Chan-merged per channel, then the block normalized from
-    L2/L3. mean, rstd, var: (C,), read (fixed) or written."""
+    them sample by sample as one stream of cb planes (a channel alone is N planes at a
+    stride of C*S: the prefetcher would restart every plane): plane moments by two-pass
+    (in L1), Chan-merged per channel, then the block normalized from L2/L3.
+    mean, rstd, var: (C,), read (fixed) or written."""
     n_, c_, s_ = x.shape
     inv_s = _as(mean, 1.0 / s_)
     pm = np.empty((cb, n_))                                        # plane mean - x0
@@ -316,35 +324,21 @@ def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
                 mr_[c - c0] = mean[c] - _ld(x[0, c], 0)
         else:
             for n in range(n_):                                    # cb planes in a row
-                for c in range(c0, c1):
-                    x0 = _ld(x[0, c], 0)                           # shift of the channel
-                    xb = x[n, c]                                   # S
-                    s = _as(mean, 0.0)
-                    for i in range(s_):
-                        s = _acc(s, _ld(xb, i) - x0)
-                    bm = s * inv_s
-                    q = _as(mean, 0.0)
-                    for i in range(s_):                            # from L1
-                        d = (_ld(xb, i) - x0) - bm
-                        q = _acc(q, d * d)
-                    pm[c - c0, n], pq[c - c0, n] = bm, q
+                for c in range(c0, c1):                            # x[0, c, 0]: the shift
+                    pm[c - c0, n], pq[c - c0, n] = _plane_moments(
+                        x[n, c], _ld(x[0, c], 0), inv_s, mean)
             for c in range(c0, c1):                                # Chan merge over n
                 cnt, mr64, m2 = 0.0, 0.0, 0.0
                 for n in range(n_):
-                    tot = cnt + s_
-                    delta = pm[c - c0, n] - mr64
-                    mr64 += delta * s_ / tot
-                    m2 += pq[c - c0, n] + delta * delta * cnt * s_ / tot
-                    cnt = tot
+                    cnt, mr64, m2 = _chan(cnt, mr64, m2, s_, pm[c - c0, n], pq[c - c0, n])
                 v = m2 / cnt
                 mr_[c - c0] = mr64
                 rstd[c] = 1.0 / math.sqrt(v + eps)
                 mean[c], var[c] = _ld(x[0, c], 0) + mr64, v
         for n in range(n_):                                        # block from L2/L3
             for c in range(c0, c1):
-                x0 = _ld(x[0, c], 0)
                 xb, yb = x[n, c], y[n, c]                          # S
-                mr = mr_[c - c0]
+                x0, mr = _ld(x[0, c], 0), mr_[c - c0]
                 sc, sh = rstd[c] * w[c], b[c]
                 for i in range(s_):
                     _st(yb, i, ((_ld(xb, i) - x0) - mr) * sc + sh)
@@ -684,7 +678,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
                     fixed, _np(mean_u), _np(rstd_u), _np(var_u))
         else:
             _launch(_units_fwd, units, nt, _np(x3), _np(y3), _np(w), _np(b), float(eps), groups,
-                    False, fixed, _np(mean_u), _np(rstd_u), _np(var_u))
+                    fixed, _np(mean_u), _np(rstd_u), _np(var_u))
         if fixed:
             return y, mean, rstd, None
         return y, mean_u.view(shape), rstd_u.view(shape), var_u.view(shape)
