@@ -302,11 +302,13 @@ def test_channels_last_small_blocks_and_groups(op, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("training", [True, False])
 def test_batch_norm_nchw_small_channel_blocks(training, dtype, monkeypatch):
-    # blocks of 2 channels (C = 7 over 3 threads: ranges of 3, 2, 2, the first one
-    # ending in a partial block), every block walked sample by sample
+    # blocks of 2 channels in forward and backward (C = 7 over 3 threads: ranges of 3,
+    # 2, 2, the first one ending in a partial block), every block walked sample by sample
     shape, c = (5, 7, 4, 6), 7
     monkeypatch.setattr(cpu, "_CHANNEL_BLOCK_BYTES", 2 * 5 * 24 * dtype.itemsize)
     assert cpu._channel_block(5 * 24 * dtype.itemsize) == 2
+    assert cpu._channel_block(2 * 5 * 24 * dtype.itemsize) == 1
+    monkeypatch.setattr(cpu, "_channel_block", lambda channel_bytes: 2)
     x, w, b, dy = _inputs(shape, dtype, c, offset=2.5)
     rm = torch.randn(c, dtype=torch.float64).to(dtype)
     rv = (torch.rand(c, dtype=torch.float64) + 0.5).to(dtype)

@@ -24,9 +24,9 @@ range per thread by ``_launch`` (``normkit.backends._parallel``: torch's OpenMP 
               (sample, group) for GroupNorm, a plane for InstanceNorm) per iteration.
               Each plane's moments come from a two-pass over the plane, merged across
               planes by Chan's formula; the unit is then normalized while still in L2,
-              so x is read from memory once. BatchNorm's forward is ``_channels_fwd``:
-              blocks of channels walked sample by sample, so that the planes it reads
-              in a row are adjacent in memory.
+              so x is read from memory once. BatchNorm is ``_channels_fwd`` and
+              ``_channels_bwd``: blocks of channels walked sample by sample, so that
+              the planes read in a row are adjacent in memory.
 ``_cl_*``     the same three on channels_last, viewed (N, S*C): rows of C channels.
               Per-(n, c) moments over blocks of rows (two-pass inside the block, read as
               runs of several rows into lanes, Chan merge across blocks), merged into
@@ -173,14 +173,6 @@ def _as_impl(a, v):
     if a.dtype == nbt.float64:
         return lambda a, v: np.float64(v)
     return lambda a, v: np.float32(v)
-
-
-@register_jitable
-def _plane(u, j, groups, cg, by_channel):
-    """(n, c) of the j-th plane of unit u (NCHW kernels)."""
-    if by_channel:
-        return j, u
-    return u // groups, (u % groups) * cg + j
 
 
 # ---------------------------------------------------------------------------------------
@@ -345,18 +337,58 @@ def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
 
 
 @njit(**_JIT)
-def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, sgx, lo, hi):
-    """dx of each unit of x: (N, C, S); sg[n, c] = sum(g), sgx[n, c] = sum(g * xhat)
-    over each plane (dbias and dweight before the sum over n)."""
+def _channels_bwd(g, x, w, mean, rstd, cb, center, fixed, dx, sg, sgx, lo, hi):
+    """BatchNorm backward on contiguous NCHW, x, g: (N, C, S): the channels [lo, hi) in
+    blocks of cb, walked sample by sample as ``_channels_fwd`` does: per-plane sums of g
+    and g*xhat, the channel's coefficients, then dx from L2/L3. sg[n, c] = sum(g),
+    sgx[n, c] = sum(g * xhat) over each plane (dbias and dweight before the sum over n)."""
+    n_, c_, s_ = x.shape
+    k1_ = np.empty(cb, dtype=mean.dtype)
+    k2_ = np.empty(cb, dtype=mean.dtype)
+    cnt = n_ * s_
+    for c0 in range(lo, hi, cb):
+        c1 = min(hi, c0 + cb)
+        for n in range(n_):                                        # cb planes in a row
+            for c in range(c0, c1):
+                xb, gb = x[n, c], g[n, c]                          # S
+                mu, rs = mean[c], rstd[c]
+                a = _as(mean, 0.0)
+                q = _as(mean, 0.0)
+                for i in range(s_):
+                    gi = _ld(gb, i)
+                    a = _acc(a, gi)
+                    q = _acc(q, gi * ((_ld(xb, i) - mu) * rs))
+                sg[n, c], sgx[n, c] = a, q
+        for c in range(c0, c1):
+            e1, e2 = 0.0, 0.0
+            for n in range(n_):
+                e1 += sgx[n, c]
+                e2 += sg[n, c]
+            k1_[c - c0] = 0.0 if fixed else w[c] * e1 / cnt
+            k2_[c - c0] = w[c] * e2 / cnt if center and not fixed else 0.0
+        for n in range(n_):                                        # block from L2/L3
+            for c in range(c0, c1):
+                xb, gb, dxb = x[n, c], g[n, c], dx[n, c]           # S
+                mu, rs, wc = mean[c], rstd[c], w[c]
+                k1, k2 = k1_[c - c0], k2_[c - c0]
+                for i in range(s_):
+                    xh = (_ld(xb, i) - mu) * rs
+                    _st(dxb, i, (_ld(gb, i) * wc - k2 - xh * k1) * rs)
+
+
+@njit(**_JIT)
+def _units_bwd(g, x, w, mean, rstd, groups, center, fixed, dx, sg, sgx, lo, hi):
+    """Instance/GroupNorm: dx of each unit (sample, group) of x: (N, C, S);
+    sg[n, c] = sum(g), sgx[n, c] = sum(g * xhat) over each plane (dbias and dweight
+    before the sum over n)."""
     n_, c_, s_ = x.shape
     cg = c_ // groups
-    nu = c_ if by_channel else n_ * groups
-    nb = n_ if by_channel else cg
+    cnt = cg * s_
     for u in range(lo, hi):
+        n, c0 = u // groups, (u % groups) * cg
         mu, rs = mean[u], rstd[u]
-        c1, c2 = 0.0, 0.0
-        for j in range(nb):
-            n, c = _plane(u, j, groups, cg, by_channel)
+        e1, e2 = 0.0, 0.0
+        for c in range(c0, c0 + cg):
             xb, gb = x[n, c], g[n, c]                              # S
             a = _as(mean, 0.0)
             q = _as(mean, 0.0)
@@ -365,13 +397,11 @@ def _units_bwd(g, x, w, mean, rstd, groups, by_channel, center, fixed, dx, sg, s
                 a = _acc(a, gi)
                 q = _acc(q, gi * ((_ld(xb, i) - mu) * rs))
             sg[n, c], sgx[n, c] = a, q
-            c1 += w[c] * q
-            c2 += w[c] * a
-        cnt = nb * s_
-        k1 = _as(mean, 0.0 if fixed else c1 / cnt)
-        k2 = _as(mean, c2 / cnt if center and not fixed else 0.0)
-        for j in range(nb):
-            n, c = _plane(u, j, groups, cg, by_channel)
+            e1 += w[c] * q
+            e2 += w[c] * a
+        k1 = _as(mean, 0.0 if fixed else e1 / cnt)
+        k2 = _as(mean, e2 / cnt if center and not fixed else 0.0)
+        for c in range(c0, c0 + cg):                               # unit still in L2
             xb, gb, dxb = x[n, c], g[n, c], dx[n, c]               # S
             wc = w[c]
             for i in range(s_):
@@ -793,8 +823,13 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
             rstd_u = _unit_stats(_stats_nc(rstd, grouping, n, c), by_channel)
         sg = np.empty((n, c), dtype=_NP_STAT[sdtype])
         sgx = np.empty((n, c), dtype=_NP_STAT[sdtype])
-        _launch(_units_bwd, units, nt, _np(g3), _np(x3), _np(w), _np(mean_u), _np(rstd_u), groups, by_channel,
-                   bool(center), bool(fixed), _np(dx), sg, sgx)
+        if by_channel:
+            cb = _channel_block(2 * n * s * x.element_size())      # x and g
+            _launch(_channels_bwd, units, nt, _np(g3), _np(x3), _np(w), _np(mean_u), _np(rstd_u),
+                    cb, bool(center), bool(fixed), _np(dx), sg, sgx)
+        else:
+            _launch(_units_bwd, units, nt, _np(g3), _np(x3), _np(w), _np(mean_u), _np(rstd_u),
+                    groups, bool(center), bool(fixed), _np(dx), sg, sgx)
         sg64, sgx64 = sg.astype(np.float64), sgx.astype(np.float64)
     else:
         g3 = grad.reshape(n, c, s)
