@@ -28,8 +28,9 @@ range per thread by ``_launch`` (``normkit.backends._parallel``: torch's OpenMP 
               ``_channels_bwd``: blocks of channels walked sample by sample, so that
               the planes read in a row are adjacent in memory.
 ``_cl_*``     the same three on channels_last, viewed (N, S*C): rows of C channels.
-              Per-(n, c) moments over blocks of rows (two-pass inside the block, read as
-              runs of several rows into lanes, Chan merge across blocks), merged into
+              Per-(n, c) moments over blocks of rows (one pass of sums shifted by the
+              block's first row, read as runs of rows into lanes, Chan merge across
+              blocks), merged into
               the grouping's statistics in float64 by ``_merge``, then one pass applies
               per-(n, c) coefficients.
 
@@ -72,8 +73,8 @@ _STORAGE = {
     torch.float16: torch.int16,     # 16-bit format compiles a kernel of its own
 }
 _KINDS = ("layer", "batch", "instance", "group")
-_BLOCK_BYTES = 64 * 1024  # channels_last: rows of C per two-pass block (stays in L2)
-_RUN_LANES = 2048         # channels_last reductions: elements per run of lanes
+_BLOCK_BYTES = 256 * 1024  # channels_last reductions: rows of C per block of lane sums
+_RUN_LANES = 512           # channels_last reductions: elements per run of lanes
 
 
 # ---------------------------------------------------------------------------------------
@@ -415,11 +416,16 @@ def _units_bwd(g, x, w, mean, rstd, groups, center, fixed, dx, sg, sgx, lo, hi):
 
 # The reductions below read a block of rows as runs of rg rows, i.e. rg*C consecutive
 # elements accumulated into rg*C lanes (lane j holds channel j % C), folded to channels
-# per block: one long sequential stream per input. In a development run on 32x256x56x56,
-# memory-bound, 2 threads: the moments pass 0.67 x a copy this way against 0.96 with a
-# 4-row unrolled C-long loop (its four interleaved streams defeat the prefetcher), the
-# backward sums 1.29 against 1.65 (docs/performance.md). The affine passes go a row at a
-# time (as fast, fewer coefficients).
+# per block: one sequential stream per input, read once. Measured in development on
+# 32x256x56x56 fp32, 2 threads (medians of 11, three rounds, noisy VM): the moments in one
+# shifted pass, runs of 2 rows, blocks of 256 rows: 3.3-5.4 ms (a torch x.sum() 1.5-4.0);
+# the earlier two-pass over 64-row blocks in runs of 8 rows: 4.0-6.1 ms (its second
+# pass, from L2, does not overlap with memory). The backward sums with runs of 2 rows and
+# 256-row blocks 7.4-8.5 ms against 9.5-10.9 with runs of 8 and 64-row blocks (three
+# 8 KiB lane arrays crowd L1). Vector accumulators held in registers (a numba vector
+# type, channel chunks walked down the rows) were no faster for the moments (5.7-9.2
+# ms): the column walk defeats the prefetcher. The affine passes go a row at a time, the mean
+# folded into the shift (two coefficient loads per element instead of three).
 
 @register_jitable
 def _fold(lanes, out, c_, rg):
@@ -432,11 +438,15 @@ def _fold(lanes, out, c_, rg):
 
 
 @register_jitable
-def _cl_range_moments(x, n, c_, s_begin, s_end, rb, rg, am, a2, bs, bm, bc):
+def _cl_range_moments(x, n, c_, s_begin, s_end, rb, rg, am, a2, bs, bq, bk, bc, bc2):
     """Per-channel mean and M2 (float64, written to am, a2: (C,)) of the rows
-    [s_begin, s_end) of sample n of x: (N, S*C). A two-pass over blocks of rb rows (the
-    block stays in L2) in rg*C lanes of the statistics dtype, the blocks Chan-merged in
-    float64. bs, bm: (rg*C,), bc: (C,) scratch of the statistics dtype."""
+    [s_begin, s_end) of sample n of x: (N, S*C). One pass over blocks of rb rows: the sums
+    of d = x - k and d*d, k the block's first row (per channel), accumulate in rg*C lanes
+    of the statistics dtype; per block mean = k + sum(d)/n, M2 = sum(d*d) - sum(d)^2/n in
+    float64, and the blocks are Chan-merged. Since k is one of the block's own values,
+    (mean - k)^2 <= M2 and the cancellation costs at most about n roundings of M2 itself,
+    whatever the offset of the data. bs, bq, bk: (rg*C,), bc, bc2: (C,) scratch of the
+    statistics dtype."""
     xn = x[n]                                                      # S*C
     am[:] = 0.0
     a2[:] = 0.0
@@ -444,39 +454,38 @@ def _cl_range_moments(x, n, c_, s_begin, s_end, rb, rg, am, a2, bs, bm, bc):
     for s0 in range(s_begin, s_end, rb):
         s1 = min(s_end, s0 + rb)
         nbk = s1 - s0
+        for r in range(rg):                                        # the shift, per lane
+            for c in range(c_):
+                bk[r * c_ + c] = _ld(xn, s0 * c_ + c)
         bs[:] = 0.0
+        bq[:] = 0.0
         for g0 in range(s0, s1, rg):
             xs = xn[g0 * c_:min(s1, g0 + rg) * c_]                 # <= rg*C
             for j in range(xs.shape[0]):
-                bs[j] += _ld(xs, j)
+                d = _ld(xs, j) - bk[j]
+                bs[j] += d
+                bq[j] += d * d
         _fold(bs, bc, c_, rg)
-        inv = _as(bc, 1.0 / nbk)
-        for r in range(rg):                                        # block mean, per lane
-            for c in range(c_):
-                bm[r * c_ + c] = bc[c] * inv
-        bs[:] = 0.0
-        for g0 in range(s0, s1, rg):                               # block from L2
-            xs = xn[g0 * c_:min(s1, g0 + rg) * c_]
-            for j in range(xs.shape[0]):
-                d = _ld(xs, j) - bm[j]
-                bs[j] += d * d
-        _fold(bs, bc, c_, rg)
+        _fold(bq, bc2, c_, rg)
         tot = cnt + nbk                                            # Chan merge
+        fa, fb = nbk / tot, cnt * nbk / tot
         for c in range(c_):
-            delta = bm[c] - am[c]
-            am[c] += delta * nbk / tot
-            a2[c] += bc[c] + delta * delta * cnt * nbk / tot
+            sd = np.float64(bc[c])
+            delta = np.float64(bk[c]) + sd / nbk - am[c]
+            am[c] += delta * fa
+            a2[c] += (np.float64(bc2[c]) - sd * sd / nbk) + delta * delta * fb
         cnt = tot
 
 
 @register_jitable
-def _cl_affine(xn, yn, c_, s0, s1, mu, sc, sh):
-    """y = (x - mu) * sc + sh over the rows [s0, s1) of one sample (S*C), a row at a time;
-    mu, sc, sh: (C,) per-channel coefficients."""
+def _cl_affine(xn, yn, c_, s0, s1, sc, sh):
+    """y = x * sc + sh over the rows [s0, s1) of one sample (S*C), a row at a time;
+    sc, sh: (C,) per-channel coefficients (sh = b - mean * sc: two loads per element
+    instead of three; torch's channels_last kernels fold the mean the same way)."""
     for r in range(s0, s1):
         xs, ys = xn[r * c_:(r + 1) * c_], yn[r * c_:(r + 1) * c_]  # C
         for c in range(c_):
-            _st(ys, c, (_ld(xs, c) - mu[c]) * sc[c] + sh[c])
+            _st(ys, c, _ld(xs, c) * sc[c] + sh[c])
 
 
 @njit(**_JIT)
@@ -487,12 +496,14 @@ def _cl_moments(x, c_, parts, rb, rg, sdt, pmean, pm2, lo, hi):
     s_ = x.shape[1] // c_
     plen = (s_ + parts - 1) // parts
     bs = np.empty(rg * c_, dtype=sdt.dtype)
-    bm = np.empty(rg * c_, dtype=sdt.dtype)
+    bq = np.empty(rg * c_, dtype=sdt.dtype)
+    bk = np.empty(rg * c_, dtype=sdt.dtype)
     bc = np.empty(c_, dtype=sdt.dtype)
+    bc2 = np.empty(c_, dtype=sdt.dtype)
     for t in range(lo, hi):
         n, p = t // parts, t % parts
         _cl_range_moments(x, n, c_, p * plen, min(s_, (p + 1) * plen), rb, rg, pmean[n, p],
-                          pm2[n, p], bs, bm, bc)
+                          pm2[n, p], bs, bq, bk, bc, bc2)
 
 
 @njit(**_JIT)
@@ -505,12 +516,14 @@ def _cl_sample_fwd(x, y, w, b, eps, c_, groups, rb, rg, mean, rstd, var, lo, hi)
     am = np.empty(c_)                                              # float64
     a2 = np.empty(c_)
     bs = np.empty(rg * c_, dtype=mean.dtype)
-    bm = np.empty(rg * c_, dtype=mean.dtype)
+    bq = np.empty(rg * c_, dtype=mean.dtype)
+    bk = np.empty(rg * c_, dtype=mean.dtype)
     bc = np.empty(c_, dtype=mean.dtype)
-    mu = np.empty(c_, dtype=mean.dtype)
+    bc2 = np.empty(c_, dtype=mean.dtype)
     sc = np.empty(c_, dtype=mean.dtype)
+    sh = np.empty(c_, dtype=mean.dtype)
     for n in range(lo, hi):
-        _cl_range_moments(x, n, c_, 0, s_, rb, rg, am, a2, bs, bm, bc)
+        _cl_range_moments(x, n, c_, 0, s_, rb, rg, am, a2, bs, bq, bk, bc, bc2)
         for g in range(groups):                                    # Chan merge of channels
             gm, m2 = 0.0, 0.0
             for j in range(cg):
@@ -524,19 +537,19 @@ def _cl_sample_fwd(x, y, w, b, eps, c_, groups, rb, rg, mean, rstd, var, lo, hi)
             mean[u], rstd[u], var[u] = gm, rs, v
             for j in range(cg):
                 c = g * cg + j
-                mu[c] = gm
                 sc[c] = rs * w[c]
-        _cl_affine(x[n], y[n], c_, 0, s_, mu, sc, b)
+                sh[c] = b[c] - gm * (rs * w[c])
+        _cl_affine(x[n], y[n], c_, 0, s_, sc, sh)
 
 
 @njit(**_JIT)
-def _cl_apply(x, y, c_, parts, mu, sc, sh, lo, hi):
-    """y = (x - mu) * sc + sh with per-(n, c) coefficients (N, C); x, y: (N, S*C)."""
+def _cl_apply(x, y, c_, parts, sc, sh, lo, hi):
+    """y = x * sc + sh with per-(n, c) coefficients (N, C); x, y: (N, S*C)."""
     s_ = x.shape[1] // c_
     plen = (s_ + parts - 1) // parts
     for t in range(lo, hi):
         n, p = t // parts, t % parts
-        _cl_affine(x[n], y[n], c_, p * plen, min(s_, (p + 1) * plen), mu[n], sc[n], sh[n])
+        _cl_affine(x[n], y[n], c_, p * plen, min(s_, (p + 1) * plen), sc[n], sh[n])
 
 
 @njit(**_JIT)
@@ -579,21 +592,21 @@ def _cl_bwd_sums(g, x, c_, parts, rb, rg, mu, rs, psg, psgx, lo, hi):
 
 
 @njit(**_JIT)
-def _cl_bwd_apply(g, x, dx, c_, parts, mu, k1, k2, k3, lo, hi):
-    """dx = g * k1 - (x - mu) * k2 - k3 with per-(n, c) coefficients (N, C), a row at a
-    time (four rows at once measured slower in development: 0.90 against 0.77 cycles per
-    element in cache)."""
+def _cl_bwd_apply(g, x, dx, c_, parts, k1, k2, k3, lo, hi):
+    """dx = g * k1 - x * k2 + k3 with per-(n, c) coefficients (N, C) (the mean folded into
+    k3), a row at a time (four rows at once measured slower in development: 0.90 against
+    0.77 cycles per element in cache)."""
     s_ = x.shape[1] // c_
     plen = (s_ + parts - 1) // parts
     for t in range(lo, hi):
         n, p = t // parts, t % parts
         xn, gn, dxn = x[n], g[n], dx[n]                            # S*C
-        mur, k1r, k2r, k3r = mu[n], k1[n], k2[n], k3[n]            # C
+        k1r, k2r, k3r = k1[n], k2[n], k3[n]                        # C
         for r in range(p * plen, min(s_, (p + 1) * plen)):
             lo_, hi_ = r * c_, (r + 1) * c_
             xs, gs, ds = xn[lo_:hi_], gn[lo_:hi_], dxn[lo_:hi_]    # C
             for c in range(c_):
-                _st(ds, c, _ld(gs, c) * k1r[c] - (_ld(xs, c) - mur[c]) * k2r[c] - k3r[c])
+                _st(ds, c, _ld(gs, c) * k1r[c] - _ld(xs, c) * k2r[c] + k3r[c])
 
 
 # ---------------------------------------------------------------------------------------
@@ -748,9 +761,9 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         var = torch.from_numpy(gvar.astype(st)).view(shape)
         mean_nc = _np(_stats_nc(mean, grouping, n, c)).astype(np.float64)
         rstd_nc = _np(_stats_nc(rstd, grouping, n, c)).astype(np.float64)
-    sc = _c(rstd_nc * _np(w), st)
-    sh = _c(np.broadcast_to(_np(b), (n, c)), st)
-    _launch(_cl_apply, n * parts, nt, xt, yt, c, parts, _c(mean_nc, st), sc, sh)
+    sc64 = rstd_nc * _np(w)
+    sh = _c(_np(b) - mean_nc * sc64, st)
+    _launch(_cl_apply, n * parts, nt, xt, yt, c, parts, _c(sc64, st), sh)
     return y, mean, rstd, var
 
 
@@ -770,7 +783,7 @@ def _cl_flat(t3):
 
 
 def _cl_blocks(c, itemsize):
-    """Rows of C channels per two-pass block (about ``_BLOCK_BYTES``) and per run of
+    """Rows of C channels per block of lane sums (about ``_BLOCK_BYTES``) and per run of
     lanes (about ``_RUN_LANES`` elements); the block is a whole number of runs."""
     rg = max(1, _RUN_LANES // c)
     return max(1, _BLOCK_BYTES // (c * itemsize) // rg) * rg, rg
@@ -860,10 +873,11 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
             if not center:
                 c2 = np.zeros((n, c))
         r64 = rstd_nc.astype(np.float64)
-        k1, k2, k3 = (_c(k, st) for k in (r64 * w64, r64 * r64 * c1, r64 * c2))
+        k2 = r64 * r64 * c1
+        k1, k3 = r64 * w64, mean_nc.astype(np.float64) * k2 - r64 * c2
         dx = _empty_like(x3)
-        _launch(_cl_bwd_apply, n * parts, nt, gt, xt, _cl_flat(dx), c, parts, mean_nc,
-                k1, k2, k3)
+        _launch(_cl_bwd_apply, n * parts, nt, gt, xt, _cl_flat(dx), c, parts, _c(k1, st),
+                _c(k2, st), _c(k3, st))
     dw = db = None
     if needs[1]:
         dw = torch.from_numpy(sgx64.reshape(n, c).sum(0).astype(_NP_STAT[sdtype])).view(pshape)
