@@ -22,15 +22,16 @@ range per thread by ``_launch`` (``normkit.backends._parallel``: torch's OpenMP 
 ``_units_*``  Batch/Instance/GroupNorm on contiguous NCHW, viewed (N, C, S): one *unit*
               (the set of (n, c) planes sharing a statistic: a channel for BatchNorm, a
               (sample, group) for GroupNorm, a plane for InstanceNorm) per iteration.
-              Each plane's moments come from a two-pass over the plane, merged across
+              Each plane's moments come from a two-pass over the plane (the first of a
+              unit) or one pass shifted by the running mean (the others), merged across
               planes by Chan's formula; the unit is then normalized while still in L2,
               so x is read from memory once. BatchNorm is ``_channels_fwd`` and
               ``_channels_bwd``: blocks of channels walked sample by sample, so that
               the planes read in a row are adjacent in memory.
 ``_cl_*``     the same three on channels_last, viewed (N, S*C): rows of C channels.
-              Per-(n, c) moments over blocks of rows (one pass of sums shifted by the
-              block's first row, read as runs of rows into lanes, Chan merge across
-              blocks), merged into
+              Per-(n, c) moments over blocks of rows (sums shifted by a mean already
+              known, read as runs of rows into lanes, Chan merge across blocks), merged
+              into
               the grouping's statistics in float64 by ``_merge``, then one pass applies
               per-(n, c) coefficients.
 
@@ -262,6 +263,25 @@ def _plane_moments(xb, x0, inv_s, sdt):
 
 
 @register_jitable
+def _plane_sums(xb, x0, mr, inv_s, sdt):
+    """(mean - x0, M2) of the plane xb: (S,) in one pass, given mr, the mean - x0 of the
+    planes before it in its unit or channel (float64): the sums of d = x - k and d*d with
+    the shift k = x0 + mr, M2 = sum(d*d) - sum(d)^2 / S. With k that close to the plane's
+    mean the cancellation costs a few roundings of M2 (a second pass from L1, as in
+    ``_plane_moments``, measured about 10 % slower on 32x256x56x56: it does not overlap
+    with the memory stream; a shift by x0 alone lost up to 1e-4 relative on outliers)."""
+    k = _as(sdt, x0 + mr)
+    s = _as(sdt, 0.0)
+    q = _as(sdt, 0.0)
+    for i in range(xb.shape[0]):
+        d = _ld(xb, i) - k
+        s = _acc(s, d)
+        q = _acc(q, d * d)
+    bm = s * inv_s
+    return (np.float64(k) - x0) + bm, q - s * bm
+
+
+@register_jitable
 def _chan(cnt, mean, m2, n_b, mean_b, m2_b):
     """Chan's merge of (cnt, mean, M2) with a block of n_b elements (float64)."""
     tot = cnt + n_b
@@ -283,8 +303,11 @@ def _units_fwd(x, y, w, b, eps, groups, fixed, mean, rstd, var, lo, hi):
             mr, rs = _as(mean, mean[u] - x0), rstd[u]
         else:
             cnt, mr64, m2 = 0.0, 0.0, 0.0                          # float64 merge
-            for c in range(c0, c0 + cg):
-                bm, q = _plane_moments(x[n, c], x0, inv_s, mean)
+            for c in range(c0, c0 + cg):                           # two-pass, then one
+                if c == c0:
+                    bm, q = _plane_moments(x[n, c], x0, inv_s, mean)
+                else:
+                    bm, q = _plane_sums(x[n, c], x0, mr64, inv_s, mean)
                 cnt, mr64, m2 = _chan(cnt, mr64, m2, s_, bm, q)
             v = m2 / cnt
             mr = _as(mean, mr64)
@@ -303,12 +326,14 @@ def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
     The planes (n, c0..c0+cb) of a block lie side by side in memory, so each pass walks
     them sample by sample as one stream of cb planes (a channel alone is N planes at a
     stride of C*S: the prefetcher would restart every plane): plane moments by two-pass
-    (in L1), Chan-merged per channel, then the block normalized from L2/L3.
+    (in L1) for the first sample, in one pass shifted by the running channel mean for the
+    others (``_plane_sums``), Chan-merged per channel, then the block normalized from
+    L2/L3.
     mean, rstd, var: (C,), read (fixed) or written."""
     n_, c_, s_ = x.shape
     inv_s = _as(mean, 1.0 / s_)
-    pm = np.empty((cb, n_))                                        # plane mean - x0
-    pq = np.empty((cb, n_))                                        # plane M2
+    pm = np.empty(cb)                                              # channel mean - x0
+    pq = np.empty(cb)                                              # channel M2
     mr_ = np.empty(cb, dtype=mean.dtype)                           # channel mean - x0
     for c0 in range(lo, hi, cb):
         c1 = min(hi, c0 + cb)
@@ -316,18 +341,23 @@ def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
             for c in range(c0, c1):
                 mr_[c - c0] = mean[c] - _ld(x[0, c], 0)
         else:
+            cnt = 0.0
             for n in range(n_):                                    # cb planes in a row
                 for c in range(c0, c1):                            # x[0, c, 0]: the shift
-                    pm[c - c0, n], pq[c - c0, n] = _plane_moments(
-                        x[n, c], _ld(x[0, c], 0), inv_s, mean)
-            for c in range(c0, c1):                                # Chan merge over n
-                cnt, mr64, m2 = 0.0, 0.0, 0.0
-                for n in range(n_):
-                    cnt, mr64, m2 = _chan(cnt, mr64, m2, s_, pm[c - c0, n], pq[c - c0, n])
-                v = m2 / cnt
-                mr_[c - c0] = mr64
+                    x0 = _ld(x[0, c], 0)
+                    if n == 0:                                     # two-pass, then one
+                        bm, q = _plane_moments(x[n, c], x0, inv_s, mean)
+                        pm[c - c0], pq[c - c0] = bm, q
+                    else:
+                        bm, q = _plane_sums(x[n, c], x0, pm[c - c0], inv_s, mean)
+                        _, pm[c - c0], pq[c - c0] = _chan(cnt, pm[c - c0], pq[c - c0], s_,
+                                                          bm, q)
+                cnt += s_
+            for c in range(c0, c1):
+                v = pq[c - c0] / cnt
+                mr_[c - c0] = pm[c - c0]
                 rstd[c] = 1.0 / math.sqrt(v + eps)
-                mean[c], var[c] = _ld(x[0, c], 0) + mr64, v
+                mean[c], var[c] = _ld(x[0, c], 0) + pm[c - c0], v
         for n in range(n_):                                        # block from L2/L3
             for c in range(c0, c1):
                 xb, yb = x[n, c], y[n, c]                          # S
@@ -416,16 +446,16 @@ def _units_bwd(g, x, w, mean, rstd, groups, center, fixed, dx, sg, sgx, lo, hi):
 
 # The reductions below read a block of rows as runs of rg rows, i.e. rg*C consecutive
 # elements accumulated into rg*C lanes (lane j holds channel j % C), folded to channels
-# per block: one sequential stream per input, read once. Measured in development on
-# 32x256x56x56 fp32, 2 threads (medians of 11, three rounds, noisy VM): the moments in one
-# shifted pass, runs of 2 rows, blocks of 256 rows: 3.3-5.4 ms (a torch x.sum() 1.5-4.0);
+# per block: one sequential stream per input, read once (the moments' first block twice).
+# Measured in development on 32x256x56x56 fp32, 2 threads (medians of 11, three rounds,
+# noisy VM): the moments in one shifted pass, runs of 2 rows, blocks of 256 rows: 3.3-5.4
+# ms (a torch x.sum() 1.5-4.0);
 # the earlier two-pass over 64-row blocks in runs of 8 rows: 4.0-6.1 ms (its second
 # pass, from L2, does not overlap with memory). The backward sums with runs of 2 rows and
 # 256-row blocks 7.4-8.5 ms against 9.5-10.9 with runs of 8 and 64-row blocks (three
 # 8 KiB lane arrays crowd L1). Vector accumulators held in registers (a numba vector
 # type, channel chunks walked down the rows) were no faster for the moments (5.7-9.2
-# ms): the column walk defeats the prefetcher. The affine passes go a row at a time, the mean
-# folded into the shift (two coefficient loads per element instead of three).
+# ms): the column walk defeats the prefetcher. The affine passes go a row at a time.
 
 @register_jitable
 def _fold(lanes, out, c_, rg):
@@ -440,13 +470,16 @@ def _fold(lanes, out, c_, rg):
 @register_jitable
 def _cl_range_moments(x, n, c_, s_begin, s_end, rb, rg, am, a2, bs, bq, bk, bc, bc2):
     """Per-channel mean and M2 (float64, written to am, a2: (C,)) of the rows
-    [s_begin, s_end) of sample n of x: (N, S*C). One pass over blocks of rb rows: the sums
-    of d = x - k and d*d, k the block's first row (per channel), accumulate in rg*C lanes
-    of the statistics dtype; per block mean = k + sum(d)/n, M2 = sum(d*d) - sum(d)^2/n in
-    float64, and the blocks are Chan-merged. Since k is one of the block's own values,
-    (mean - k)^2 <= M2 and the cancellation costs at most about n roundings of M2 itself,
-    whatever the offset of the data. bs, bq, bk: (rg*C,), bc, bc2: (C,) scratch of the
-    statistics dtype."""
+    [s_begin, s_end) of sample n of x: (N, S*C), over blocks of rb rows Chan-merged in
+    float64. Per block the sums of d = x - k and d*d accumulate in rg*C lanes of the
+    statistics dtype (mean = k + sum(d)/n, M2 = sum(d*d) - sum(d)^2/n), the shift k being
+    a mean already known: the block's own (from a first pass of plain sums, read again
+    from L2) for the first block, the running mean of the blocks before for the others,
+    which then take a single pass. With k that close to the block's mean the
+    cancellation stays at a few roundings of M2 even for an outlier or an offset far from
+    zero (a shift by one of the block's values, tried, lost up to 1e-4 relative on a
+    30-sigma outlier). bs, bq, bk: (rg*C,), bc, bc2: (C,) scratch of the statistics
+    dtype."""
     xn = x[n]                                                      # S*C
     am[:] = 0.0
     a2[:] = 0.0
@@ -454,13 +487,25 @@ def _cl_range_moments(x, n, c_, s_begin, s_end, rb, rg, am, a2, bs, bq, bk, bc, 
     for s0 in range(s_begin, s_end, rb):
         s1 = min(s_end, s0 + rb)
         nbk = s1 - s0
-        for r in range(rg):                                        # the shift, per lane
+        if cnt == 0.0:                                             # the block's own mean
+            bs[:] = 0.0
+            for g0 in range(s0, s1, rg):
+                xs = xn[g0 * c_:min(s1, g0 + rg) * c_]             # <= rg*C
+                for j in range(xs.shape[0]):
+                    bs[j] += _ld(xs, j)
+            _fold(bs, bc, c_, rg)
+            inv = _as(bc, 1.0 / nbk)
             for c in range(c_):
-                bk[r * c_ + c] = _ld(xn, s0 * c_ + c)
+                bc[c] *= inv
+        else:                                                      # the running mean
+            for c in range(c_):
+                bc[c] = am[c]
+        for r in range(rg):                                        # the shift, per lane
+            bk[r * c_:(r + 1) * c_] = bc
         bs[:] = 0.0
         bq[:] = 0.0
         for g0 in range(s0, s1, rg):
-            xs = xn[g0 * c_:min(s1, g0 + rg) * c_]                 # <= rg*C
+            xs = xn[g0 * c_:min(s1, g0 + rg) * c_]
             for j in range(xs.shape[0]):
                 d = _ld(xs, j) - bk[j]
                 bs[j] += d
@@ -478,14 +523,15 @@ def _cl_range_moments(x, n, c_, s_begin, s_end, rb, rg, am, a2, bs, bq, bk, bc, 
 
 
 @register_jitable
-def _cl_affine(xn, yn, c_, s0, s1, sc, sh):
-    """y = x * sc + sh over the rows [s0, s1) of one sample (S*C), a row at a time;
-    sc, sh: (C,) per-channel coefficients (sh = b - mean * sc: two loads per element
-    instead of three; torch's channels_last kernels fold the mean the same way)."""
+def _cl_affine(xn, yn, c_, s0, s1, mu, sc, sh):
+    """y = (x - mu) * sc + sh over the rows [s0, s1) of one sample (S*C), a row at a time;
+    mu, sc, sh: (C,) per-channel coefficients. (Folding the mean into the shift,
+    y = x * sc + (sh - mu * sc), saves a load per element, about 10 % of this pass, but
+    rounds x * sc: an error of 1.5 ulps of the input at an offset of 1e3, against 0.5.)"""
     for r in range(s0, s1):
         xs, ys = xn[r * c_:(r + 1) * c_], yn[r * c_:(r + 1) * c_]  # C
         for c in range(c_):
-            _st(ys, c, _ld(xs, c) * sc[c] + sh[c])
+            _st(ys, c, (_ld(xs, c) - mu[c]) * sc[c] + sh[c])
 
 
 @njit(**_JIT)
@@ -520,8 +566,8 @@ def _cl_sample_fwd(x, y, w, b, eps, c_, groups, rb, rg, mean, rstd, var, lo, hi)
     bk = np.empty(rg * c_, dtype=mean.dtype)
     bc = np.empty(c_, dtype=mean.dtype)
     bc2 = np.empty(c_, dtype=mean.dtype)
+    mu = np.empty(c_, dtype=mean.dtype)
     sc = np.empty(c_, dtype=mean.dtype)
-    sh = np.empty(c_, dtype=mean.dtype)
     for n in range(lo, hi):
         _cl_range_moments(x, n, c_, 0, s_, rb, rg, am, a2, bs, bq, bk, bc, bc2)
         for g in range(groups):                                    # Chan merge of channels
@@ -537,19 +583,19 @@ def _cl_sample_fwd(x, y, w, b, eps, c_, groups, rb, rg, mean, rstd, var, lo, hi)
             mean[u], rstd[u], var[u] = gm, rs, v
             for j in range(cg):
                 c = g * cg + j
+                mu[c] = gm
                 sc[c] = rs * w[c]
-                sh[c] = b[c] - gm * (rs * w[c])
-        _cl_affine(x[n], y[n], c_, 0, s_, sc, sh)
+        _cl_affine(x[n], y[n], c_, 0, s_, mu, sc, b)
 
 
 @njit(**_JIT)
-def _cl_apply(x, y, c_, parts, sc, sh, lo, hi):
-    """y = x * sc + sh with per-(n, c) coefficients (N, C); x, y: (N, S*C)."""
+def _cl_apply(x, y, c_, parts, mu, sc, sh, lo, hi):
+    """y = (x - mu) * sc + sh with per-(n, c) coefficients (N, C); x, y: (N, S*C)."""
     s_ = x.shape[1] // c_
     plen = (s_ + parts - 1) // parts
     for t in range(lo, hi):
         n, p = t // parts, t % parts
-        _cl_affine(x[n], y[n], c_, p * plen, min(s_, (p + 1) * plen), sc[n], sh[n])
+        _cl_affine(x[n], y[n], c_, p * plen, min(s_, (p + 1) * plen), mu[n], sc[n], sh[n])
 
 
 @njit(**_JIT)
@@ -592,21 +638,22 @@ def _cl_bwd_sums(g, x, c_, parts, rb, rg, mu, rs, psg, psgx, lo, hi):
 
 
 @njit(**_JIT)
-def _cl_bwd_apply(g, x, dx, c_, parts, k1, k2, k3, lo, hi):
-    """dx = g * k1 - x * k2 + k3 with per-(n, c) coefficients (N, C) (the mean folded into
-    k3), a row at a time (four rows at once measured slower in development: 0.90 against
-    0.77 cycles per element in cache)."""
+def _cl_bwd_apply(g, x, dx, c_, parts, mu, k1, k2, k3, lo, hi):
+    """dx = g * k1 - (x - mu) * k2 - k3 with per-(n, c) coefficients (N, C), a row at a
+    time (four rows at once measured slower in development: 0.90 against 0.77 cycles per
+    element in cache; x * k2 with the mean folded into k3 would round x * k2, costly for
+    data far from zero)."""
     s_ = x.shape[1] // c_
     plen = (s_ + parts - 1) // parts
     for t in range(lo, hi):
         n, p = t // parts, t % parts
         xn, gn, dxn = x[n], g[n], dx[n]                            # S*C
-        k1r, k2r, k3r = k1[n], k2[n], k3[n]                        # C
+        mur, k1r, k2r, k3r = mu[n], k1[n], k2[n], k3[n]            # C
         for r in range(p * plen, min(s_, (p + 1) * plen)):
             lo_, hi_ = r * c_, (r + 1) * c_
             xs, gs, ds = xn[lo_:hi_], gn[lo_:hi_], dxn[lo_:hi_]    # C
             for c in range(c_):
-                _st(ds, c, _ld(gs, c) * k1r[c] - _ld(xs, c) * k2r[c] + k3r[c])
+                _st(ds, c, _ld(gs, c) * k1r[c] - (_ld(xs, c) - mur[c]) * k2r[c] - k3r[c])
 
 
 # ---------------------------------------------------------------------------------------
@@ -761,9 +808,9 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         var = torch.from_numpy(gvar.astype(st)).view(shape)
         mean_nc = _np(_stats_nc(mean, grouping, n, c)).astype(np.float64)
         rstd_nc = _np(_stats_nc(rstd, grouping, n, c)).astype(np.float64)
-    sc64 = rstd_nc * _np(w)
-    sh = _c(_np(b) - mean_nc * sc64, st)
-    _launch(_cl_apply, n * parts, nt, xt, yt, c, parts, _c(sc64, st), sh)
+    sc = _c(rstd_nc * _np(w), st)
+    sh = _c(np.broadcast_to(_np(b), (n, c)), st)
+    _launch(_cl_apply, n * parts, nt, xt, yt, c, parts, _c(mean_nc, st), sc, sh)
     return y, mean, rstd, var
 
 
@@ -873,11 +920,10 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
             if not center:
                 c2 = np.zeros((n, c))
         r64 = rstd_nc.astype(np.float64)
-        k2 = r64 * r64 * c1
-        k1, k3 = r64 * w64, mean_nc.astype(np.float64) * k2 - r64 * c2
+        k1, k2, k3 = (_c(k, st) for k in (r64 * w64, r64 * r64 * c1, r64 * c2))
         dx = _empty_like(x3)
-        _launch(_cl_bwd_apply, n * parts, nt, gt, xt, _cl_flat(dx), c, parts, _c(k1, st),
-                _c(k2, st), _c(k3, st))
+        _launch(_cl_bwd_apply, n * parts, nt, gt, xt, _cl_flat(dx), c, parts, mean_nc,
+                k1, k2, k3)
     dw = db = None
     if needs[1]:
         dw = torch.from_numpy(sgx64.reshape(n, c).sum(0).astype(_NP_STAT[sdtype])).view(pshape)
