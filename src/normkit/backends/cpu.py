@@ -31,8 +31,7 @@ range per thread by ``_launch`` (``normkit.backends._parallel``: torch's OpenMP 
 ``_cl_*``     the same three on channels_last, viewed (N, S*C): rows of C channels.
               Per-(n, c) moments over blocks of rows (sums shifted by a mean already
               known, read as runs of rows into lanes, Chan merge across blocks), merged
-              into
-              the grouping's statistics in float64 by ``_merge``, then one pass applies
+              into the grouping's statistics in float64 by ``_merge``, then one pass applies
               per-(n, c) coefficients.
 
 Backward everywhere: with ``dxhat = g * w``, ``c1 = mean(dxhat * xhat)`` and
@@ -268,7 +267,7 @@ def _plane_sums(xb, x0, mr, inv_s, sdt):
     planes before it in its unit or channel (float64): the sums of d = x - k and d*d with
     the shift k = x0 + mr, M2 = sum(d*d) - sum(d)^2 / S. With k that close to the plane's
     mean the cancellation costs a few roundings of M2 (a second pass from L1, as in
-    ``_plane_moments``, measured about 10 % slower on 32x256x56x56: it does not overlap
+    ``_plane_moments``, measured 10-20 % slower on 32x256x56x56: it does not overlap
     with the memory stream; a shift by x0 alone lost up to 1e-4 relative on outliers)."""
     k = _as(sdt, x0 + mr)
     s = _as(sdt, 0.0)
@@ -289,6 +288,18 @@ def _chan(cnt, mean, m2, n_b, mean_b, m2_b):
     return tot, mean + delta * n_b / tot, m2 + (m2_b + delta * delta * cnt * n_b / tot)
 
 
+@register_jitable
+def _plane_merge(xb, x0, inv_s, sdt, cnt, mr, m2):
+    """(cnt, mr, m2) with the plane xb: (S,) Chan-merged in (float64; mr = mean - x0):
+    the first plane of a unit or channel (cnt == 0) by two-pass, the others in one pass
+    shifted by the running mean."""
+    if cnt == 0.0:
+        bm, q = _plane_moments(xb, x0, inv_s, sdt)
+    else:
+        bm, q = _plane_sums(xb, x0, mr, inv_s, sdt)
+    return _chan(cnt, mr, m2, xb.shape[0], bm, q)
+
+
 @njit(**_JIT)
 def _units_fwd(x, y, w, b, eps, groups, fixed, mean, rstd, var, lo, hi):
     """Instance/GroupNorm: normalize each unit (sample, group) of x: (N, C, S), i.e.
@@ -303,12 +314,8 @@ def _units_fwd(x, y, w, b, eps, groups, fixed, mean, rstd, var, lo, hi):
             mr, rs = _as(mean, mean[u] - x0), rstd[u]
         else:
             cnt, mr64, m2 = 0.0, 0.0, 0.0                          # float64 merge
-            for c in range(c0, c0 + cg):                           # two-pass, then one
-                if c == c0:
-                    bm, q = _plane_moments(x[n, c], x0, inv_s, mean)
-                else:
-                    bm, q = _plane_sums(x[n, c], x0, mr64, inv_s, mean)
-                cnt, mr64, m2 = _chan(cnt, mr64, m2, s_, bm, q)
+            for c in range(c0, c0 + cg):
+                cnt, mr64, m2 = _plane_merge(x[n, c], x0, inv_s, mean, cnt, mr64, m2)
             v = m2 / cnt
             mr = _as(mean, mr64)
             rs = _as(mean, 1.0 / math.sqrt(v + eps))
@@ -341,20 +348,15 @@ def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
             for c in range(c0, c1):
                 mr_[c - c0] = mean[c] - _ld(x[0, c], 0)
         else:
-            cnt = 0.0
+            pm[:] = 0.0
+            pq[:] = 0.0
             for n in range(n_):                                    # cb planes in a row
                 for c in range(c0, c1):                            # x[0, c, 0]: the shift
-                    x0 = _ld(x[0, c], 0)
-                    if n == 0:                                     # two-pass, then one
-                        bm, q = _plane_moments(x[n, c], x0, inv_s, mean)
-                        pm[c - c0], pq[c - c0] = bm, q
-                    else:
-                        bm, q = _plane_sums(x[n, c], x0, pm[c - c0], inv_s, mean)
-                        _, pm[c - c0], pq[c - c0] = _chan(cnt, pm[c - c0], pq[c - c0], s_,
-                                                          bm, q)
-                cnt += s_
+                    _, pm[c - c0], pq[c - c0] = _plane_merge(
+                        x[n, c], _ld(x[0, c], 0), inv_s, mean, n * s_, pm[c - c0],
+                        pq[c - c0])
             for c in range(c0, c1):
-                v = pq[c - c0] / cnt
+                v = pq[c - c0] / (n_ * s_)
                 mr_[c - c0] = pm[c - c0]
                 rstd[c] = 1.0 / math.sqrt(v + eps)
                 mean[c], var[c] = _ld(x[0, c], 0) + pm[c - c0], v
@@ -449,11 +451,10 @@ def _units_bwd(g, x, w, mean, rstd, groups, center, fixed, dx, sg, sgx, lo, hi):
 # per block: one sequential stream per input, read once (the moments' first block twice).
 # Measured in development on 32x256x56x56 fp32, 2 threads (medians of 11, three rounds,
 # noisy VM): the moments in one shifted pass, runs of 2 rows, blocks of 256 rows: 3.3-5.4
-# ms (a torch x.sum() 1.5-4.0);
-# the earlier two-pass over 64-row blocks in runs of 8 rows: 4.0-6.1 ms (its second
-# pass, from L2, does not overlap with memory). The backward sums with runs of 2 rows and
-# 256-row blocks 7.4-8.5 ms against 9.5-10.9 with runs of 8 and 64-row blocks (three
-# 8 KiB lane arrays crowd L1). Vector accumulators held in registers (a numba vector
+# ms (a torch x.sum() 1.5-4.0); the earlier two-pass over 64-row blocks in runs of 8
+# rows: 4.0-6.1 ms (its second pass, from L2, does not overlap with memory). The
+# backward sums with runs of 2 rows and 256-row blocks 7.4-8.5 ms against 9.5-10.9 with
+# runs of 8 and 64-row blocks (three 8 KiB lane arrays crowd L1). Vector accumulators held in registers (a numba vector
 # type, channel chunks walked down the rows) were no faster for the moments (5.7-9.2
 # ms): the column walk defeats the prefetcher. The affine passes go a row at a time.
 
