@@ -64,7 +64,8 @@ def launcher():
     x, w = torch.randn(8192, 4096), torch.randn(4096)
     dst = torch.empty_like(x)
     y, stats = torch.empty_like(x), [torch.empty(8192) for _ in range(3)]
-    args = [a.numpy() for a in (x, y, w, w)] + [1e-5, True] + [s.numpy() for s in stats]
+    args = [a.numpy() for a in (x, y, w, w)] + [1e-5, True] + [s.numpy() for s in stats] + \
+        [cpu._stream_out(y)]
 
     def kernel():
         cpu._launch(cpu._rows_fwd, 8192, 2, *args)
@@ -75,7 +76,7 @@ def launcher():
     xs = torch.randn(64, 1024)
     ys, small = torch.empty_like(xs), [torch.empty(64) for _ in range(3)]
     sargs = [a.numpy() for a in (xs, ys, w[:1024], w[:1024])] + [1e-5, True] + \
-            [s.numpy() for s in small]
+            [s.numpy() for s in small] + [cpu._stream_out(ys)]
 
     def small_call():
         cpu._launch(cpu._rows_fwd, 64, 2, *sargs)

@@ -380,6 +380,60 @@ def test_batch_norm_channels_last_expanded_grad_and_no_affine():
     torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
 
 
+STREAM_CASES = [  # op, shape, layout: rows and planes longer than a staged chunk (2048),
+    # rows of odd byte length (unaligned heads and tails), channels_last rows per chunk
+    ("layer", (3, 4099), "contiguous"),
+    ("rms", (5, 3, 777), "contiguous"),
+    ("group", (2, 4, 47, 45), "contiguous"),
+    ("batch", (3, 5, 41, 53), "contiguous"),
+    ("instance", (2, 3, 2111), "contiguous"),
+    ("group", (3, 12, 7, 9), "channels_last"),
+    ("batch", (2, 7, 33, 65), "channels_last"),
+    ("instance", (2, 2051, 3, 1), "channels_last"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op,shape,layout", STREAM_CASES, ids=str)
+def test_streamed_outputs(op, shape, layout, dtype, monkeypatch):
+    # y and dx written through the staging buffer with non-temporal stores are the same
+    # bits as written directly, and match the reference
+    c = shape[-1] if op in ("layer", "rms") else shape[1]
+    x, w, b, dy = _inputs(shape, dtype, c, layout, offset=1.5)
+    fn, ref = {
+        "layer": (lambda x, w, b: NF.layer_norm(x, (c,), w, b),
+                  lambda x, w, b: reference.layer_norm_forward(x, (c,), w, b)),
+        "rms": (lambda x, w, b: NF.rms_norm(x, (c,), w),
+                lambda x, w, b: reference.rms_norm_forward(x, (c,), w)),
+        "group": (lambda x, w, b: NF.group_norm(x, 2 if c % 2 == 0 else 1, w, b),
+                  lambda x, w, b: reference.group_norm_forward(x, 2 if c % 2 == 0 else 1, w, b)),
+        "batch": (lambda x, w, b: NF.batch_norm(x, None, None, w, b, training=True),
+                  lambda x, w, b: reference.batch_norm_forward(x, None, None, w, b, True)),
+        "instance": (lambda x, w, b: NF.instance_norm(x, weight=w, bias=b),
+                     lambda x, w, b: reference.instance_norm_forward(x, w, b)),
+    }[op]
+    if op == "rms":
+        b = None
+    calls = []
+    monkeypatch.setattr(cpu, "_stream_out", lambda t: False)
+    plain = _run(fn, x, w, b, dy)
+    monkeypatch.setattr(cpu, "_stream_out", lambda t: calls.append(t.shape) or True)
+    streamed = _run(fn, x, w, b, dy)
+    assert len(calls) == 2                                         # y and dx
+    for p, s, name in zip(plain, streamed, ("y", "dx", "dweight", "dbias")):
+        if p is not None:
+            assert torch.equal(p, s), f"{name}: streamed output differs"
+    _check_against_reference(streamed, ref, x, w, b, dy, dtype)
+
+
+def test_stream_out_rule(monkeypatch):
+    monkeypatch.setattr(cpu, "_STREAM_BYTES", 1 << 20)
+    assert cpu._stream_out(torch.empty(1 << 18))                  # 1 MiB of float32
+    assert not cpu._stream_out(torch.empty((1 << 18) - 1))
+    assert not cpu._stream_out(torch.empty(1 << 20, dtype=torch.bfloat16))
+    assert cpu._last_level_cache_bytes() > 0
+
+
 # ---------------------------------------------------------------------------------------
 # normkit bench, end to end
 # ---------------------------------------------------------------------------------------
