@@ -380,22 +380,25 @@ def test_batch_norm_channels_last_expanded_grad_and_no_affine():
     torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
 
 
-STREAM_CASES = [  # op, shape, layout: rows and planes longer than a staged chunk (2048),
-    # rows of odd byte length (unaligned heads and tails), channels_last rows per chunk
-    ("layer", (3, 4099), "contiguous"),
-    ("rms", (5, 3, 777), "contiguous"),
-    ("group", (2, 4, 47, 45), "contiguous"),
-    ("batch", (3, 5, 41, 53), "contiguous"),
-    ("instance", (2, 3, 2111), "contiguous"),
-    ("group", (3, 12, 7, 9), "channels_last"),
-    ("batch", (2, 7, 33, 65), "channels_last"),
-    ("instance", (2, 2051, 3, 1), "channels_last"),
+STREAM_CASES = [  # op, shape, layout, streamed outputs: rows and planes longer than a
+    # staged chunk (2048), rows of odd byte length (unaligned heads and tails), whole
+    # channels_last rows per chunk; BatchNorm's outputs and channels_last backward's dx are
+    # never streamed, nor the channels_last InstanceNorm forward with fewer samples than
+    # threads (the per-(n, c) path)
+    ("layer", (3, 4099), "contiguous", 2),
+    ("rms", (5, 3, 777), "contiguous", 2),
+    ("group", (2, 4, 47, 45), "contiguous", 2),
+    ("instance", (2, 3, 2111), "contiguous", 2),
+    ("batch", (3, 5, 41, 53), "contiguous", 0),
+    ("group", (3, 12, 7, 9), "channels_last", 1),
+    ("group", (4, 2050, 3, 1), "channels_last", 1),
+    ("instance", (2, 7, 33, 65), "channels_last", 0),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("op,shape,layout", STREAM_CASES, ids=str)
-def test_streamed_outputs(op, shape, layout, dtype, monkeypatch):
+@pytest.mark.parametrize("op,shape,layout,n_streamed", STREAM_CASES, ids=str)
+def test_streamed_outputs(op, shape, layout, n_streamed, dtype, monkeypatch):
     # y and dx written through the staging buffer with non-temporal stores are the same
     # bits as written directly, and match the reference
     c = shape[-1] if op in ("layer", "rms") else shape[1]
@@ -419,7 +422,7 @@ def test_streamed_outputs(op, shape, layout, dtype, monkeypatch):
     plain = _run(fn, x, w, b, dy)
     monkeypatch.setattr(cpu, "_stream_out", lambda t: calls.append(t.shape) or True)
     streamed = _run(fn, x, w, b, dy)
-    assert len(calls) == 2                                         # y and dx
+    assert len(calls) == n_streamed
     for p, s, name in zip(plain, streamed, ("y", "dx", "dweight", "dbias")):
         if p is not None:
             assert torch.equal(p, s), f"{name}: streamed output differs"

@@ -41,6 +41,9 @@ saved x, mean and rstd. ``dweight = sum(g * xhat)`` and ``dbias = sum(g)`` are w
 per thread or per (n, c) plane and reduced afterwards, so no two iterations write the
 same memory.
 
+Large float32/float64 outputs of the fused kernels are written with non-temporal stores
+(``_stream``, through an L1 staging buffer; see ``_stream_out``).
+
 Compiled kernels are cached on disk (``cache=True``, in ``__pycache__`` next to this
 file or ``NUMBA_CACHE_DIR``); see ``docs/performance.md`` for the first-call cost.
 """
@@ -450,7 +453,7 @@ def _units_fwd(x, y, w, b, eps, groups, fixed, mean, rstd, var, nt, lo, hi):
 
 
 @njit(**_JIT)
-def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, nt, lo, hi):
+def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
     """BatchNorm on contiguous NCHW, x: (N, C, S): the channels [lo, hi) in blocks of cb.
     The planes (n, c0..c0+cb) of a block lie side by side in memory, so each pass walks
     them sample by sample as one stream of cb planes (a channel alone is N planes at a
@@ -458,10 +461,11 @@ def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, nt, lo, hi):
     (in L1) for the first sample, in one pass shifted by the running channel mean for the
     others (``_plane_sums``), Chan-merged per channel, then the block normalized from
     L2/L3.
-    mean, rstd, var: (C,), read (fixed) or written; nt: stream y."""
+    mean, rstd, var: (C,), read (fixed) or written. (y is not streamed: measured no
+    faster, 0.94-1.01 x, when the block is read back from L3.)"""
     n_, c_, s_ = x.shape
     inv_s = _as(mean, 1.0 / s_)
-    buf = np.empty(_CHUNK if nt else 0, dtype=y.dtype)
+    buf = np.empty(0, dtype=y.dtype)
     pm = np.empty(cb)                                              # channel mean - x0
     pq = np.empty(cb)                                              # channel M2
     mr_ = np.empty(cb, dtype=mean.dtype)                           # channel mean - x0
@@ -486,20 +490,18 @@ def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, nt, lo, hi):
         for n in range(n_):                                        # block from L2/L3
             for c in range(c0, c1):
                 _plane_affine(x[n, c], y[n, c], _ld(x[0, c], 0), mr_[c - c0],
-                              rstd[c] * w[c], b[c], buf, nt)
-    if nt:
-        _fence()
+                              rstd[c] * w[c], b[c], buf, False)
 
 
 @njit(**_JIT)
-def _channels_bwd(g, x, w, mean, rstd, cb, center, fixed, dx, sg, sgx, nt, lo, hi):
+def _channels_bwd(g, x, w, mean, rstd, cb, center, fixed, dx, sg, sgx, lo, hi):
     """BatchNorm backward on contiguous NCHW, x, g: (N, C, S): the channels [lo, hi) in
     blocks of cb, walked sample by sample as ``_channels_fwd`` does: per-plane sums of g
     and g*xhat, the channel's coefficients, then dx from L2/L3. sg[n, c] = sum(g),
-    sgx[n, c] = sum(g * xhat) over each plane (dbias and dweight before the sum over n);
-    nt: stream dx."""
+    sgx[n, c] = sum(g * xhat) over each plane (dbias and dweight before the sum over n).
+    (dx is not streamed: no faster, 0.97-1.06 x.)"""
     n_, c_, s_ = x.shape
-    buf = np.empty(_CHUNK if nt else 0, dtype=dx.dtype)
+    buf = np.empty(0, dtype=dx.dtype)
     k1_ = np.empty(cb, dtype=mean.dtype)
     k2_ = np.empty(cb, dtype=mean.dtype)
     cnt = n_ * s_
@@ -526,9 +528,7 @@ def _channels_bwd(g, x, w, mean, rstd, cb, center, fixed, dx, sg, sgx, nt, lo, h
         for n in range(n_):                                        # block from L2/L3
             for c in range(c0, c1):
                 _plane_dx(g[n, c], x[n, c], dx[n, c], mean[c], rstd[c], w[c], k1_[c - c0],
-                          k2_[c - c0], buf, nt)
-    if nt:
-        _fence()
+                          k2_[c - c0], buf, False)
 
 
 @njit(**_JIT)
@@ -721,18 +721,16 @@ def _cl_sample_fwd(x, y, w, b, eps, c_, groups, rb, rg, mean, rstd, var, nt, lo,
 
 
 @njit(**_JIT)
-def _cl_apply(x, y, c_, parts, mu, sc, sh, nt, lo, hi):
-    """y = (x - mu) * sc + sh with per-(n, c) coefficients (N, C); x, y: (N, S*C);
-    nt: stream y."""
+def _cl_apply(x, y, c_, parts, mu, sc, sh, lo, hi):
+    """y = (x - mu) * sc + sh with per-(n, c) coefficients (N, C); x, y: (N, S*C). (y is
+    not streamed: with x read from memory, as here, that measured 1.01-1.16 x slower.)"""
     s_ = x.shape[1] // c_
     plen = (s_ + parts - 1) // parts
-    buf = np.empty(max(_CHUNK, c_) if nt else 0, dtype=y.dtype)
+    buf = np.empty(0, dtype=y.dtype)
     for t in range(lo, hi):
         n, p = t // parts, t % parts
         _cl_affine(x[n], y[n], c_, p * plen, min(s_, (p + 1) * plen), mu[n], sc[n], sh[n],
-                   buf, nt)
-    if nt:
-        _fence()
+                   buf, False)
 
 
 @njit(**_JIT)
@@ -775,32 +773,22 @@ def _cl_bwd_sums(g, x, c_, parts, rb, rg, mu, rs, psg, psgx, lo, hi):
 
 
 @njit(**_JIT)
-def _cl_bwd_apply(g, x, dx, c_, parts, mu, k1, k2, k3, nt, lo, hi):
+def _cl_bwd_apply(g, x, dx, c_, parts, mu, k1, k2, k3, lo, hi):
     """dx = g * k1 - (x - mu) * k2 - k3 with per-(n, c) coefficients (N, C), a row at a
     time (four rows at once measured slower in development: 0.90 against 0.77 cycles per
     element in cache; x * k2 with the mean folded into k3 would round x * k2, costly for
-    data far from zero); nt: stream dx, in chunks of whole rows."""
+    data far from zero). dx is not streamed (x and g come from memory: 0.99-1.03 x)."""
     s_ = x.shape[1] // c_
     plen = (s_ + parts - 1) // parts
-    rows = max(1, _CHUNK // c_)
-    buf = np.empty(max(_CHUNK, c_) if nt else 0, dtype=dx.dtype)
     for t in range(lo, hi):
         n, p = t // parts, t % parts
         xn, gn, dxn = x[n], g[n], dx[n]                            # S*C
         mur, k1r, k2r, k3r = mu[n], k1[n], k2[n], k3[n]            # C
-        s_end = min(s_, (p + 1) * plen)
-        for r0 in range(p * plen, s_end, rows):
-            r1 = min(s_end, r0 + rows)
-            o = _staging(dxn, r0 * c_, r1 * c_, buf, nt)
-            for r in range(r0, r1):
-                lo_, hi_ = r * c_, (r + 1) * c_
-                xs, gs = xn[lo_:hi_], gn[lo_:hi_]                  # C
-                ds = o[(r - r0) * c_:(r - r0 + 1) * c_]
-                for c in range(c_):
-                    _st(ds, c, _ld(gs, c) * k1r[c] - (_ld(xs, c) - mur[c]) * k2r[c] - k3r[c])
-            _flush(dxn, r0 * c_, r1 * c_, o, nt)
-    if nt:
-        _fence()
+        for r in range(p * plen, min(s_, (p + 1) * plen)):
+            lo_, hi_ = r * c_, (r + 1) * c_
+            xs, gs, ds = xn[lo_:hi_], gn[lo_:hi_], dxn[lo_:hi_]    # C
+            for c in range(c_):
+                _st(ds, c, _ld(gs, c) * k1r[c] - (_ld(xs, c) - mur[c]) * k2r[c] - k3r[c])
 
 
 # ---------------------------------------------------------------------------------------
@@ -839,12 +827,18 @@ _STREAM_BYTES = _last_level_cache_bytes()
 
 
 def _stream_out(t) -> bool:
-    """Whether the kernels stream the output t (non-temporal stores): a float32/float64
-    output larger than the last-level cache, which would be out of cache by the end of
-    the op anyway. Streaming skips the read of each destination line that a plain store
-    costs: measured on 2 threads, a LayerNorm forward 8192x4096 fp32 went from 12.1 to
-    10.8 ms (copy_ 8.1 ms). Half-precision outputs are left alone: their kernels convert
-    in registers and were no faster streamed (LayerNorm bf16 8192x4096: 6.7 -> 8.4 ms)."""
+    """Whether a fused kernel streams its output t (non-temporal stores): a float32 or
+    float64 output larger than the last-level cache, which would be out of cache by the
+    end of the op anyway. Streaming skips the read of each destination line that a plain
+    store costs. It is used by the kernels that compute the output from data already in
+    cache (rows, NCHW units, channels_last samples). ``python benchmarks/bench_runtime.py``
+    (section 3, three runs), fp32 forward as a multiple of a copy, plain -> streamed:
+    LayerNorm 8192x4096 1.59-1.63 -> 1.35-1.43, GroupNorm 32x256x56x56 1.33-1.40 ->
+    1.21-1.25, the same channels_last 1.81-2.07 -> 1.70-1.99.
+    The passes that read their input from memory (BatchNorm's, channels_last
+    BatchNorm's and the channels_last backward) measured no faster streamed (0.94-1.16 x
+    the plain time) and store plainly; so do half-precision outputs, whose kernels
+    convert in registers (LayerNorm bf16 8192x4096 forward: 6.7 -> 8.4 ms streamed)."""
     return t.element_size() >= 4 and t.numel() * t.element_size() >= _STREAM_BYTES
 
 
@@ -942,7 +936,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         if by_channel:
             cb = _channel_block(n * s * x.element_size())
             _launch(_channels_fwd, units, nt, _np(x3), _np(y3), _np(w), _np(b), float(eps), cb,
-                    fixed, _np(mean_u), _np(rstd_u), _np(var_u), _stream_out(y))
+                    fixed, _np(mean_u), _np(rstd_u), _np(var_u))
         else:
             _launch(_units_fwd, units, nt, _np(x3), _np(y3), _np(w), _np(b), float(eps), groups,
                     fixed, _np(mean_u), _np(rstd_u), _np(var_u), _stream_out(y))
@@ -987,7 +981,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         rstd_nc = _np(_stats_nc(rstd, grouping, n, c)).astype(np.float64)
     sc = _c(rstd_nc * _np(w), st)
     sh = _c(np.broadcast_to(_np(b), (n, c)), st)
-    _launch(_cl_apply, n * parts, nt, xt, yt, c, parts, _c(mean_nc, st), sc, sh, _stream_out(y))
+    _launch(_cl_apply, n * parts, nt, xt, yt, c, parts, _c(mean_nc, st), sc, sh)
     return y, mean, rstd, var
 
 
@@ -1063,7 +1057,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         if by_channel:
             cb = _channel_block(2 * n * s * x.element_size())      # x and g
             _launch(_channels_bwd, units, nt, _np(g3), _np(x3), _np(w), _np(mean_u), _np(rstd_u),
-                    cb, bool(center), bool(fixed), _np(dx), sg, sgx, _stream_out(dx))
+                    cb, bool(center), bool(fixed), _np(dx), sg, sgx)
         else:
             _launch(_units_bwd, units, nt, _np(g3), _np(x3), _np(w), _np(mean_u), _np(rstd_u),
                     groups, bool(center), bool(fixed), _np(dx), sg, sgx, _stream_out(dx))
@@ -1100,7 +1094,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         k1, k2, k3 = (_c(k, st) for k in (r64 * w64, r64 * r64 * c1, r64 * c2))
         dx = _empty_like(x3)
         _launch(_cl_bwd_apply, n * parts, nt, gt, xt, _cl_flat(dx), c, parts, mean_nc,
-                k1, k2, k3, _stream_out(dx))
+                k1, k2, k3)
     dw = db = None
     if needs[1]:
         dw = torch.from_numpy(sgx64.reshape(n, c).sum(0).astype(_NP_STAT[sdtype])).view(pshape)
