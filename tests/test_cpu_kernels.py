@@ -431,9 +431,12 @@ def test_streamed_outputs(op, shape, layout, n_streamed, dtype, monkeypatch):
 
 def test_stream_out_rule(monkeypatch):
     monkeypatch.setattr(cpu, "_STREAM_BYTES", 1 << 20)
-    assert cpu._stream_out(torch.empty(1 << 18))                  # 1 MiB of float32
-    assert not cpu._stream_out(torch.empty((1 << 18) - 1))
-    assert not cpu._stream_out(torch.empty(1 << 20, dtype=torch.bfloat16))
+    monkeypatch.setattr(cpu._memory, "resident", lambda t: True)
+    assert cpu._stream_out(torch.zeros(1 << 18))                  # 1 MiB of float32
+    assert not cpu._stream_out(torch.zeros((1 << 18) - 1))
+    assert not cpu._stream_out(torch.zeros(1 << 20, dtype=torch.bfloat16))
+    monkeypatch.setattr(cpu._memory, "resident", lambda t: False)  # freshly mapped
+    assert not cpu._stream_out(torch.zeros(1 << 18))
     assert cpu._last_level_cache_bytes() > 0
 
 

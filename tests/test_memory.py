@@ -3,6 +3,7 @@ interior of large outputs advised MADV_HUGEPAGE (and nothing else changed)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -40,3 +41,14 @@ def test_switched_off_by_the_environment():
             "sys.exit(0 if not _memory.huge_pages_advised() else 1)")
     env = {"NORMKIT_HUGE_PAGES": "0", "PATH": ""}
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+
+
+@pytest.mark.skipif(_memory._MINCORE is None, reason="mincore is Linux-only")
+@pytest.mark.skipif("MALLOC_MMAP_MAX_" in os.environ, reason="large blocks come from the heap")
+def test_resident_tells_touched_memory_from_a_fresh_mapping():
+    assert _memory.resident(torch.zeros(1 << 20))                  # written: in RAM
+    fresh = torch.empty(16 << 20)            # 64 MiB: a new mapping, nothing touched yet
+    assert not _memory.resident(fresh)
+    fresh.fill_(1.0)
+    assert _memory.resident(fresh)
+    assert not _memory.resident(torch.empty(0))

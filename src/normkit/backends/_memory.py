@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-__all__ = ["empty_like", "huge_pages_advised", "thp_mode"]
+__all__ = ["empty_like", "huge_pages_advised", "resident", "thp_mode"]
 
 _HUGE = 1 << 21            # 2 MiB, the x86-64 and arm64 (4 KiB base page) huge page
 _MIN_BYTES = 4 * _HUGE      # smaller outputs keep the default
@@ -77,3 +77,36 @@ def empty_like(t):
         if hi > lo:
             _MADVISE(lo, hi - lo, _MADV_HUGEPAGE)   # advice only: a failure changes nothing
     return out
+
+
+def _mincore():
+    """libc's ``mincore`` (Linux), or None."""
+    if sys.platform != "linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MINCORE = _mincore()
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident(t) -> bool:
+    """Whether the last page of t's memory is already in RAM (``mincore``): true for a
+    block the allocator reuses, false for one it has just mapped (large blocks under
+    glibc's default settings), whose pages fault in -- zeroed, so in cache -- at the
+    first write. (The last page, because glibc writes a header at the start of a new
+    mapping.) False where it cannot tell."""
+    nbytes = t.numel() * t.element_size()
+    if _MINCORE is None or nbytes == 0:
+        return False
+    page = (t.data_ptr() + nbytes - 1) // _PAGE * _PAGE
+    vec = (ctypes.c_ubyte * 1)()
+    if _MINCORE(page, _PAGE, vec) != 0:
+        return False
+    return bool(vec[0] & 1)

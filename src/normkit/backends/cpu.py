@@ -61,6 +61,7 @@ from numba.core import cgutils
 from numba.core import types as nbt
 from numba.extending import intrinsic, overload, register_jitable
 
+from normkit.backends import _memory
 from normkit.backends._memory import empty_like as _empty_like
 from normkit.backends._parallel import launch as _launch
 from normkit.backends.torch_ops import stat_dtype
@@ -858,17 +859,24 @@ _STREAM_BYTES = _last_level_cache_bytes()
 def _stream_out(t) -> bool:
     """Whether a fused kernel streams its output t (non-temporal stores): a float32 or
     float64 output larger than the last-level cache, which would be out of cache by the
-    end of the op anyway. Streaming skips the read of each destination line that a plain
-    store costs. It is used by the kernels that compute the output from data already in
-    cache (rows, NCHW units, channels_last samples). ``python benchmarks/bench_runtime.py``
-    (section 3, three runs), fp32 forward as a multiple of a copy, plain -> streamed:
-    LayerNorm 8192x4096 1.59-1.63 -> 1.35-1.43, GroupNorm 32x256x56x56 1.33-1.40 ->
-    1.21-1.25, the same channels_last 1.81-2.07 -> 1.70-1.99.
-    The passes that read their input from memory (BatchNorm's, channels_last
-    BatchNorm's and the channels_last backward) measured no faster streamed (0.94-1.16 x
-    the plain time) and store plainly; so do half-precision outputs, whose kernels
-    convert in registers (LayerNorm bf16 8192x4096 forward: 6.7 -> 8.4 ms streamed)."""
-    return t.element_size() >= 4 and t.numel() * t.element_size() >= _STREAM_BYTES
+    end of the op anyway, and whose memory is already mapped (``_memory.resident``: a
+    block the allocator reuses). Streaming skips the read of each destination line that
+    a plain store costs. A freshly mapped output is different: each page is zeroed when
+    it faults in, which leaves its lines in cache, and there streaming measured 11-25 %
+    slower than plain stores (LayerNorm and GroupNorm forward, fresh outputs under the
+    default allocator, with and without torch's huge pages), so it stores plainly.
+
+    It is used by the kernels that compute the output from data already in cache (rows,
+    NCHW units, channels_last samples). ``python benchmarks/bench_runtime.py`` (section
+    3, three runs, a reused output), fp32 forward as a multiple of a copy, plain ->
+    streamed: LayerNorm 8192x4096 1.59-1.63 -> 1.35-1.43, GroupNorm 32x256x56x56
+    1.33-1.40 -> 1.21-1.25, the same channels_last 1.81-2.07 -> 1.70-1.99. The passes that
+    read their input from memory (BatchNorm's, channels_last BatchNorm's and the
+    channels_last backward) measured no faster streamed (0.94-1.16 x the plain time) and
+    store plainly; so do half-precision outputs, whose kernels convert in registers
+    (LayerNorm bf16 8192x4096 forward: 6.7 -> 8.4 ms streamed)."""
+    return (t.element_size() >= 4 and t.numel() * t.element_size() >= _STREAM_BYTES
+            and _memory.resident(t))
 
 
 def _threads(x):
