@@ -429,6 +429,31 @@ def test_streamed_outputs(op, shape, layout, n_streamed, dtype, monkeypatch):
     _check_against_reference(streamed, ref, x, w, b, dy, dtype)
 
 
+def test_stream_copies_any_span_and_rejects_strided_arrays():
+    from numba import errors, njit
+
+    @njit
+    def put(dst, lo, src):
+        cpu._stream(dst[lo:lo + src.shape[0]], src)
+        cpu._fence()
+
+    for dtype in (np.float32, np.float64, np.uint16):
+        for lo in (0, 1, 3, 16, 17):                               # unaligned heads
+            for n in (0, 1, 15, 16, 33, 100, 1000):                # and tails
+                dst = np.zeros(1100, dtype)
+                src = (np.arange(n) + 1).astype(dtype)
+                put(dst, lo, src)
+                assert (dst[lo:lo + n] == src).all()
+                assert not dst[:lo].any() and not dst[lo + n:].any()
+
+    @njit
+    def strided(dst, src):
+        cpu._stream(dst[::2], src)
+
+    with pytest.raises(errors.TypingError):
+        strided(np.zeros(8, np.float32), np.zeros(4, np.float32))
+
+
 def test_stream_out_rule(monkeypatch):
     monkeypatch.setattr(cpu, "_STREAM_BYTES", 1 << 20)
     monkeypatch.setattr(cpu._memory, "resident", lambda t: True)

@@ -199,8 +199,9 @@ def _stream(typingctx, dst, src):
     64-byte-aligned interior of dst written with non-temporal stores (LLVM's
     ``!nontemporal``: ``vmovntps`` on x86), the unaligned ends with plain ones."""
     if not (isinstance(dst, nbt.Array) and isinstance(src, nbt.Array)
-            and dst.dtype == src.dtype and dst.ndim == src.ndim == 1):
-        return None
+            and dst.dtype == src.dtype and dst.ndim == src.ndim == 1
+            and dst.layout == src.layout == "C"):
+        return None                                # numba reports the typing error
 
     def codegen(context, builder, sig, args):
         i8p, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
