@@ -7,7 +7,7 @@
 2. huge pages: the same LayerNorm forward with a fresh output (default allocator), with
    and without the MADV_HUGEPAGE advice, and torch's.
 3. the floor: ``y = x * w + b`` as a numba row loop and as torch's ``addcmul``, against
-   ``copy_``; and three forward kernels with their output written by plain stores and
+   ``copy_``; and two forward kernels with their output written by plain stores and
    streamed (non-temporal stores, what ``cpu._stream_out`` picks for large fp32 outputs).
 4. accuracy: GroupNorm / BatchNorm of fp32 data with mean 1e3 and 1e4 and unit spread,
    torch and normkit, max |error| against float64.
@@ -130,17 +130,12 @@ def streaming():
     x4 = torch.randn(32, 256, 56, 56)
     y4, gs = torch.empty_like(x4), [torch.empty(32 * 32).numpy() for _ in range(3)]
     w4 = torch.ones(256).numpy()
-    xc = x4.contiguous(memory_format=torch.channels_last)
-    xt, yt = cpu._cl_flat(xc.view(32, 256, -1)), cpu._cl_flat(torch.empty_like(xc).view(32, 256, -1))
-    rb, rg = cpu._cl_blocks(256, 4)
     kernels = {   # name: (run(nt), the output, the input)
         "LayerNorm fwd 8192x4096": (lambda nt: cpu._launch(
             cpu._rows_fwd, 8192, 2, x.numpy(), y.numpy(), w, w, 1e-5, True, *stats, nt), y, x),
         "GroupNorm fwd 32x256x56x56": (lambda nt: cpu._launch(
             cpu._units_fwd, 32 * 32, 2, x4.view(32, 256, -1).numpy(),
             y4.view(32, 256, -1).numpy(), w4, w4, 1e-5, 32, False, *gs, nt), y4, x4),
-        "GroupNorm fwd 32x256x56x56 channels_last": (lambda nt: cpu._launch(
-            cpu._cl_sample_fwd, 32, 2, xt, yt, w4, w4, 1e-5, 256, 32, rb, rg, *gs, nt), y4, x4),
     }
     for name, (run, out, inp) in kernels.items():
         ms = _median_ms({"copy": lambda: out.copy_(inp), "plain": lambda: run(False),
