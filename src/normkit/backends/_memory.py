@@ -6,8 +6,8 @@ threshold that way), so the first write to each 4 KiB page faults into the kerne
 copy, torch's and normkit's alike. Where the kernel runs transparent huge pages in
 ``madvise`` mode (a common default), ``empty_like`` marks the 2 MiB-aligned interior of a
 large new output ``MADV_HUGEPAGE`` before anything touches it, so it faults 2 MiB at a
-time: LayerNorm forward 8192 x 4096 fp32 takes 21.7-34.1 ms advised against 57.7-63.0 ms
-not (torch: 56.4-63.1 ms; ``benchmarks/bench_runtime.py``). torch does the same for its own
+time: LayerNorm forward 8192 x 4096 fp32 takes 16.8-26.6 ms advised against 53.9-58.4 ms
+not (torch: 45.8-52.2 ms; ``benchmarks/bench_runtime.py``). torch does the same for its own
 allocations with ``THP_MEM_ALLOC_ENABLE=1``.
 
 The advice changes no value and no layout; it is skipped for outputs under 8 MiB, off

@@ -10,8 +10,8 @@ GNU libgomp in ``torch/lib``), ``launch`` opens a parallel region of *that* runt
 because an OpenMP worker keeps spinning on its core for a while after each region (its
 wait policy); work handed to any other thread right after a torch op has to share that
 core with the spinner. Measured on 2 cores (LayerNorm forward 8192 x 4096 fp32 right
-after a torch ``copy_``, ``benchmarks/bench_runtime.py``): 21.1-22.9 ms on the fallback
-pool, 15.2-17.5 ms on torch's team. Each thread of the team runs a small Python callback
+after a torch ``copy_``, ``benchmarks/bench_runtime.py``): 18.3-21.1 ms on the fallback
+pool, 12.7-16.0 ms on torch's team. Each thread of the team runs a small Python callback
 (ctypes) that looks up its range and calls the kernel, which releases the GIL at once.
 
 Elsewhere (no OpenMP runtime of torch's found, other systems), and in a process forked

@@ -848,14 +848,15 @@ def _stream_out(t) -> bool:
     default allocator, with and without torch's huge pages), so it stores plainly.
 
     It is used by the kernels that compute the output from data already in cache (rows,
-    NCHW units, channels_last samples). ``python benchmarks/bench_runtime.py`` (section
-    3, three runs, a reused output), fp32 forward as a multiple of a copy, plain ->
-    streamed: LayerNorm 8192x4096 1.59-1.63 -> 1.35-1.43, GroupNorm 32x256x56x56
-    1.33-1.40 -> 1.21-1.25, the same channels_last 1.81-2.07 -> 1.70-1.99. The passes that
-    read their input from memory (BatchNorm's, channels_last BatchNorm's and the
-    channels_last backward) measured no faster streamed (0.94-1.16 x the plain time) and
-    store plainly; so do half-precision outputs, whose kernels convert in registers
-    (LayerNorm bf16 8192x4096 forward: 6.7 -> 8.4 ms streamed)."""
+    NCHW units): ``python benchmarks/bench_runtime.py`` (section 3, three runs, a reused
+    output), fp32 forward as a multiple of a copy, plain -> streamed: LayerNorm 8192x4096
+    1.34-1.55 -> 1.25-1.34, GroupNorm 32x256x56x56 1.26-1.30 -> 1.20-1.29, a modest gain
+    on this VM. Everything else stores plainly, measured no faster streamed: the passes
+    that read their input from memory (BatchNorm's, channels_last BatchNorm's and the
+    channels_last backward: 0.94-1.16 x the plain time), the channels_last Group/
+    InstanceNorm forward (1.53-1.85 x a copy plain, 1.59-1.93 x streamed) and
+    half-precision outputs, whose kernels convert in registers (LayerNorm bf16 8192x4096
+    forward: 6.7 -> 8.4 ms streamed)."""
     return (t.element_size() >= 4 and t.numel() * t.element_size() >= _STREAM_BYTES
             and _memory.resident(t))
 
