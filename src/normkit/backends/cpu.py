@@ -41,8 +41,9 @@ saved x, mean and rstd. ``dweight = sum(g * xhat)`` and ``dbias = sum(g)`` are w
 per thread or per (n, c) plane and reduced afterwards, so no two iterations write the
 same memory.
 
-Large float32/float64 outputs of the fused kernels are written with non-temporal stores
-(``_stream``, through an L1 staging buffer; see ``_stream_out``).
+Large float32/float64 outputs of ``_rows_*`` and ``_units_*`` are written with
+non-temporal stores when their memory is already mapped (``_stream``, through an L1
+staging buffer; see ``_stream_out``); everything else stores plainly.
 
 Compiled kernels are cached on disk (``cache=True``, in ``__pycache__`` next to this
 file or ``NUMBA_CACHE_DIR``); see ``docs/performance.md`` for the first-call cost.
@@ -488,7 +489,6 @@ def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
     faster, 0.94-1.01 x, when the block is read back from L3.)"""
     n_, c_, s_ = x.shape
     inv_s = _as(mean, 1.0 / s_)
-    buf = np.empty(0, dtype=y.dtype)
     pm = np.empty(cb)                                              # channel mean - x0
     pq = np.empty(cb)                                              # channel M2
     mr_ = np.empty(cb, dtype=mean.dtype)                           # channel mean - x0
@@ -512,8 +512,8 @@ def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
                 mean[c], var[c] = _ld(x[0, c], 0) + pm[c - c0], v
         for n in range(n_):                                        # block from L2/L3
             for c in range(c0, c1):
-                _plane_affine(x[n, c], y[n, c], _ld(x[0, c], 0), mr_[c - c0],
-                              rstd[c] * w[c], b[c], buf, False)
+                _plane_affine_span(x[n, c], y[n, c], _ld(x[0, c], 0), mr_[c - c0],
+                                   rstd[c] * w[c], b[c])
 
 
 @njit(**_JIT)
@@ -524,7 +524,6 @@ def _channels_bwd(g, x, w, mean, rstd, cb, center, fixed, dx, sg, sgx, lo, hi):
     sgx[n, c] = sum(g * xhat) over each plane (dbias and dweight before the sum over n).
     (dx is not streamed: no faster, 0.97-1.06 x.)"""
     n_, c_, s_ = x.shape
-    buf = np.empty(0, dtype=dx.dtype)
     k1_ = np.empty(cb, dtype=mean.dtype)
     k2_ = np.empty(cb, dtype=mean.dtype)
     cnt = n_ * s_
@@ -550,8 +549,8 @@ def _channels_bwd(g, x, w, mean, rstd, cb, center, fixed, dx, sg, sgx, lo, hi):
             k2_[c - c0] = w[c] * e2 / cnt if center and not fixed else 0.0
         for n in range(n_):                                        # block from L2/L3
             for c in range(c0, c1):
-                _plane_dx(g[n, c], x[n, c], dx[n, c], mean[c], rstd[c], w[c], k1_[c - c0],
-                          k2_[c - c0], buf, False)
+                _plane_dx_span(g[n, c], x[n, c], dx[n, c], mean[c], rstd[c], w[c],
+                               k1_[c - c0], k2_[c - c0])
 
 
 @njit(**_JIT)
@@ -598,9 +597,10 @@ def _units_bwd(g, x, w, mean, rstd, groups, center, fixed, dx, sg, sgx, nt, lo, 
 # ms (a torch x.sum() 1.5-4.0); the earlier two-pass over 64-row blocks in runs of 8
 # rows: 4.0-6.1 ms (its second pass, from L2, does not overlap with memory). The
 # backward sums with runs of 2 rows and 256-row blocks 7.4-8.5 ms against 9.5-10.9 with
-# runs of 8 and 64-row blocks (three 8 KiB lane arrays crowd L1). Vector accumulators held in registers (a numba vector
-# type, channel chunks walked down the rows) were no faster for the moments (5.7-9.2
-# ms): the column walk defeats the prefetcher. The affine passes go a row at a time.
+# runs of 8 and 64-row blocks (three 8 KiB lane arrays crowd L1). Vector accumulators
+# held in registers (a numba vector type, channel chunks walked down the rows) were no
+# faster for the moments (5.7-9.2 ms): the column walk defeats the prefetcher. The
+# affine passes go a row at a time.
 
 @register_jitable
 def _fold(lanes, out, c_, rg):
