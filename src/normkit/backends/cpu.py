@@ -808,12 +808,23 @@ def _cl_bwd_apply(g, x, dx, c_, parts, mu, k1, k2, k3, lo, hi):
 # A statistic index is u = n * sn + c // cg: (sn, cg) = (0, 1) for BatchNorm (one per
 # channel), (C, 1) for InstanceNorm, (G, C/G) for GroupNorm.
 
+@register_jitable
+def _unit_of(c_, cg):
+    """c // cg for every channel (an integer division per element costs more than the
+    rest of these loops)."""
+    uc = np.empty(c_, dtype=np.intp)
+    for c in range(c_):
+        uc[c] = c // cg
+    return uc
+
+
 @njit(**_JIT)
 def _cl_expand(stat, sn, cg, out):
     """out[n, c] = stat[n * sn + c // cg]: per-unit statistics to per-(n, c), (N, C)."""
+    uc = _unit_of(out.shape[1], cg)
     for n in range(out.shape[0]):
         for c in range(out.shape[1]):
-            out[n, c] = stat[n * sn + c // cg]
+            out[n, c] = stat[n * sn + uc[c]]
 
 
 @njit(**_JIT)
@@ -839,33 +850,35 @@ def _cl_stats(pmean, pm2, s_, sn, cg, eps, w, b, mean, rstd, var, mu, sc, sh):
                 q += pm2[n, p, c] + max(0, min(plen, s_ - p * plen)) * d * d
             mnc[n, c], m2nc[n, c] = m, q
     u_ = mean.shape[0]
+    uc = _unit_of(c_, cg)
     um = np.zeros(u_)
     uq = np.zeros(u_)
     cnt = np.zeros(u_)
     for n in range(n_):
         for c in range(c_):
-            u = n * sn + c // cg
+            u = n * sn + uc[c]
             um[u] += mnc[n, c] * s_
             cnt[u] += s_
     for u in range(u_):
         um[u] /= cnt[u]
     for n in range(n_):
         for c in range(c_):
-            u = n * sn + c // cg
+            u = n * sn + uc[c]
             d = mnc[n, c] - um[u]
             uq[u] += m2nc[n, c] + s_ * d * d
     for u in range(u_):
         v = uq[u] / cnt[u]
         mean[u], var[u], rstd[u] = um[u], v, 1.0 / math.sqrt(v + eps)
-    _cl_coefs(mean, rstd, sn, cg, w, b, mu, sc, sh)
+    _cl_coefs(mean, rstd, sn, uc, w, b, mu, sc, sh)
 
 
 @register_jitable
-def _cl_coefs(mean, rstd, sn, cg, w, b, mu, sc, sh):
-    """mu = mean, sc = rstd * w (in float64, then rounded), sh = b, per (n, c)."""
+def _cl_coefs(mean, rstd, sn, uc, w, b, mu, sc, sh):
+    """mu = mean, sc = rstd * w (in float64, then rounded), sh = b, per (n, c); uc:
+    ``_unit_of``."""
     for n in range(mu.shape[0]):
         for c in range(mu.shape[1]):
-            u = n * sn + c // cg
+            u = n * sn + uc[c]
             mu[n, c] = mean[u]
             sc[n, c] = np.float64(rstd[u]) * np.float64(w[c])
             sh[n, c] = b[c]
@@ -874,7 +887,7 @@ def _cl_coefs(mean, rstd, sn, cg, w, b, mu, sc, sh):
 @njit(**_JIT)
 def _cl_coefs_fixed(mean, rstd, sn, cg, w, b, mu, sc, sh):
     """``_cl_coefs`` for given statistics (BatchNorm in eval)."""
-    _cl_coefs(mean, rstd, sn, cg, w, b, mu, sc, sh)
+    _cl_coefs(mean, rstd, sn, _unit_of(mu.shape[1], cg), w, b, mu, sc, sh)
 
 
 @njit(**_JIT)
@@ -886,6 +899,7 @@ def _cl_grad_coefs(psg, psgx, rstd, w, sn, cg, count, center, fixed, k1, k2, k3,
     without centering)."""
     n_, parts, c_ = psg.shape
     u_ = rstd.shape[0]
+    uc = _unit_of(c_, cg)
     sg = np.zeros((n_, c_))
     sgx = np.zeros((n_, c_))
     for n in range(n_):
@@ -898,7 +912,7 @@ def _cl_grad_coefs(psg, psgx, rstd, w, sn, cg, count, center, fixed, k1, k2, k3,
     if not fixed:
         for n in range(n_):
             for c in range(c_):
-                u = n * sn + c // cg
+                u = n * sn + uc[c]
                 a1[u] += np.float64(w[c]) * sgx[n, c]
                 a2[u] += np.float64(w[c]) * sg[n, c]
         for u in range(u_):
@@ -906,7 +920,7 @@ def _cl_grad_coefs(psg, psgx, rstd, w, sn, cg, count, center, fixed, k1, k2, k3,
             a2[u] = a2[u] / count if center else 0.0
     for n in range(n_):
         for c in range(c_):
-            u = n * sn + c // cg
+            u = n * sn + uc[c]
             r = np.float64(rstd[u])
             k1[n, c] = r * np.float64(w[c])
             k2[n, c] = r * r * a1[u]
