@@ -69,7 +69,7 @@ def launcher():
         [cpu._stream_out(y)]
 
     def kernel():
-        cpu._launch(cpu._rows_fwd, 8192, 2, *args)
+        cpu._launch(cpu._rows_fwd, 8192, 2, *args, cpu._rows_ahead(4096, 4))
     ms = _median_ms({"team": kernel, "pool": _with_pool(kernel)}, before=lambda: dst.copy_(x))
     print(f"1. LayerNorm fwd 8192x4096 right after a torch copy_: torch's OpenMP team "
           f"{ms['team']:.1f} ms, normkit's pool {ms['pool']:.1f} ms "
@@ -80,7 +80,7 @@ def launcher():
             [s.numpy() for s in small] + [cpu._stream_out(ys)]
 
     def small_call():
-        cpu._launch(cpu._rows_fwd, 64, 2, *sargs)
+        cpu._launch(cpu._rows_fwd, 64, 2, *sargs, cpu._rows_ahead(1024, 4))
     us = _median_ms({"team": small_call, "pool": _with_pool(small_call)}, repeats=200)
     print(f"   launch of a small threaded call (64x1024): team {us['team'] * 1e3:.0f} us, "
           f"pool {us['pool'] * 1e3:.0f} us")
@@ -132,7 +132,8 @@ def streaming():
     w4 = torch.ones(256).numpy()
     kernels = {   # name: (run(nt), the output, the input)
         "LayerNorm fwd 8192x4096": (lambda nt: cpu._launch(
-            cpu._rows_fwd, 8192, 2, x.numpy(), y.numpy(), w, w, 1e-5, True, *stats, nt), y, x),
+            cpu._rows_fwd, 8192, 2, x.numpy(), y.numpy(), w, w, 1e-5, True, *stats, nt,
+            cpu._rows_ahead(4096, 4)), y, x),
         "GroupNorm fwd 32x256x56x56": (lambda nt: cpu._launch(
             cpu._units_fwd, 32 * 32, 2, x4.view(32, 256, -1).numpy(),
             y4.view(32, 256, -1).numpy(), w4, w4, 1e-5, 32, False, *gs, nt), y4, x4),

@@ -462,6 +462,35 @@ def test_stream_out_rule(monkeypatch):
     assert cpu._last_level_cache_bytes() > 0
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["layer", "rms"])
+def test_rows_prefetch_changes_nothing(op, dtype, monkeypatch):
+    # the rows kernels' prefetch of the rows ahead is a hint: the same bits with and
+    # without it, up to the last rows of each thread's range (where it stops)
+    shape, c = (37, 96), 96
+    x, w, b, dy = _inputs(shape, dtype, c, "contiguous", offset=1.5)
+    if op == "layer":
+        fn = lambda x, w, b: NF.layer_norm(x, (c,), w, b)            # noqa: E731
+    else:
+        fn, b = (lambda x, w, b: NF.rms_norm(x, (c,), w)), None
+    results = []
+    for ahead in (0, 1, 5, 40):
+        monkeypatch.setattr(cpu, "_rows_ahead", lambda k, itemsize, a=ahead: a)
+        results.append(_run(fn, x, w, b, dy))
+    for other in results[1:]:
+        for p, q in zip(results[0], other):
+            if p is not None:
+                assert torch.equal(p, q)
+
+
+def test_rows_ahead_rule():
+    assert cpu._rows_ahead(768, 4) == 2                            # 3 KiB rows: 6 KiB ahead
+    assert cpu._rows_ahead(2048, 4) == 1
+    assert cpu._rows_ahead(4096, 4) == 1
+    assert cpu._rows_ahead(768, 2) == 0                            # half precision: none
+    assert cpu._rows_ahead(1, 8) == 1024
+
+
 # ---------------------------------------------------------------------------------------
 # normkit bench, end to end
 # ---------------------------------------------------------------------------------------
@@ -481,3 +510,20 @@ def test_bench_quick_json(capsys):
     for r in rows:
         assert r["normkit_s"] > 0 and r["torch_s"] > 0 and r["copy_s"] > 0
         assert r["normkit_over_torch"] == pytest.approx(r["normkit_s"] / r["torch_s"])
+
+    # benchmarks/bench_table.py turns such reports into the README's tables and summary
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_table.py"
+    spec = importlib.util.spec_from_file_location("bench_table", path)
+    bench_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_table)
+    for full in (False, True):
+        lines = bench_table.table([report, report], full=full).splitlines()
+        assert len(lines) == 2 + len(report["allocators"]["no-mmap"]["results"])
+        assert all(line.count("|") == lines[0].count("|") for line in lines)
+    r = report["allocators"]["no-mmap"]["results"][0]
+    assert f"{r['normkit_over_torch']:.2f}" in lines[2]
+    text = bench_table.summary([report])
+    assert "layer_norm" in text and "targets" in text
