@@ -463,19 +463,23 @@ def test_stream_out_rule(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("op", ["layer", "rms"])
-def test_rows_prefetch_changes_nothing(op, dtype, monkeypatch):
-    # the rows kernels' prefetch of the rows ahead is a hint: the same bits with and
-    # without it, up to the last rows of each thread's range (where it stops)
-    shape, c = (37, 96), 96
+@pytest.mark.parametrize("op", ["layer", "rms", "group", "instance"])
+def test_prefetch_changes_nothing(op, dtype, monkeypatch):
+    # the rows and units kernels' prefetch of the rows (planes) ahead is a hint: the same
+    # bits with and without it, up to the end of each thread's range (where it stops)
+    shape = (37, 96) if op in ("layer", "rms") else (3, 6, 9, 11)
+    c = shape[-1] if op in ("layer", "rms") else shape[1]
     x, w, b, dy = _inputs(shape, dtype, c, "contiguous", offset=1.5)
-    if op == "layer":
-        fn = lambda x, w, b: NF.layer_norm(x, (c,), w, b)            # noqa: E731
-    else:
-        fn, b = (lambda x, w, b: NF.rms_norm(x, (c,), w)), None
+    fn = {"layer": lambda x, w, b: NF.layer_norm(x, (c,), w, b),
+          "rms": lambda x, w, b: NF.rms_norm(x, (c,), w),
+          "group": lambda x, w, b: NF.group_norm(x, 3, w, b),
+          "instance": lambda x, w, b: NF.instance_norm(x, weight=w, bias=b)}[op]
+    if op == "rms":
+        b = None
+    name = "_rows_ahead" if op in ("layer", "rms") else "_units_ahead"
     results = []
-    for ahead in (0, 1, 5, 40):
-        monkeypatch.setattr(cpu, "_rows_ahead", lambda k, itemsize, a=ahead: a)
+    for ahead in (0, 1, 2, 5, 40):
+        monkeypatch.setattr(cpu, name, lambda *args, a=ahead: a)
         results.append(_run(fn, x, w, b, dy))
     for other in results[1:]:
         for p, q in zip(results[0], other):
@@ -489,6 +493,9 @@ def test_rows_ahead_rule():
     assert cpu._rows_ahead(4096, 4) == 1
     assert cpu._rows_ahead(768, 2) == 0                            # half precision: none
     assert cpu._rows_ahead(1, 8) == 1024
+    assert cpu._units_ahead(4, 56 * 56) == 1                       # 12.5 KiB planes
+    assert cpu._units_ahead(4, 14 * 14) == 10
+    assert cpu._units_ahead(2, 14 * 14) == 0
 
 
 # ---------------------------------------------------------------------------------------

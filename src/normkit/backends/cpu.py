@@ -482,15 +482,29 @@ def _plane_affine_span(xs, ys, x0, mr, sc, sh):
 
 
 @register_jitable
-def _plane_affine(xb, yb, x0, mr, sc, sh, buf, nt):
-    """yb = ((xb - x0) - mr) * sc + sh over a plane (S,); streamed when nt."""
+def _plane_affine_pf(xs, ys, x0, mr, sc, sh, pa):
+    """``_plane_affine_span`` with the prefetch of pa (the same span of a plane ahead;
+    empty: none) spread over it, as ``_row_affine`` does."""
+    if pa.shape[0] == 0:
+        _plane_affine_span(xs, ys, x0, mr, sc, sh)
+        return
+    for i0 in range(0, xs.shape[0], _PF_SPAN):
+        i1 = min(xs.shape[0], i0 + _PF_SPAN)
+        _plane_affine_span(xs[i0:i1], ys[i0:i1], x0, mr, sc, sh)
+        _prefetch_lines(pa, i0, i1)
+
+
+@register_jitable
+def _plane_affine(xb, yb, x0, mr, sc, sh, buf, nt, pa):
+    """yb = ((xb - x0) - mr) * sc + sh over a plane (S,); streamed when nt; pa: a plane
+    to prefetch meanwhile (empty: none)."""
     if not nt:
-        _plane_affine_span(xb, yb, x0, mr, sc, sh)
+        _plane_affine_pf(xb, yb, x0, mr, sc, sh, pa)
         return
     for i0 in range(0, xb.shape[0], _CHUNK):
         i1 = min(xb.shape[0], i0 + _CHUNK)
         t = buf[:i1 - i0]
-        _plane_affine_span(xb[i0:i1], t, x0, mr, sc, sh)
+        _plane_affine_pf(xb[i0:i1], t, x0, mr, sc, sh, pa[i0:i1])
         _stream(yb[i0:i1], t)
 
 
@@ -503,23 +517,50 @@ def _plane_dx_span(gs, xs, ds, mu, rs, wc, k1, k2):
 
 
 @register_jitable
-def _plane_dx(gb, xb, dxb, mu, rs, wc, k1, k2, buf, nt):
-    """dxb = (gb * wc - k2 - xhat * k1) * rs over a plane (S,); streamed when nt."""
+def _plane_dx_pf(gs, xs, ds, mu, rs, wc, k1, k2, pg, px):
+    """``_plane_dx_span`` with the prefetch of pg and px (planes ahead of g and x; empty:
+    none) spread over it."""
+    if px.shape[0] == 0:
+        _plane_dx_span(gs, xs, ds, mu, rs, wc, k1, k2)
+        return
+    for i0 in range(0, xs.shape[0], _PF_SPAN):
+        i1 = min(xs.shape[0], i0 + _PF_SPAN)
+        _plane_dx_span(gs[i0:i1], xs[i0:i1], ds[i0:i1], mu, rs, wc, k1, k2)
+        _prefetch_lines(pg, i0, i1)
+        _prefetch_lines(px, i0, i1)
+
+
+@register_jitable
+def _plane_dx(gb, xb, dxb, mu, rs, wc, k1, k2, buf, nt, pg, px):
+    """dxb = (gb * wc - k2 - xhat * k1) * rs over a plane (S,); streamed when nt; pg, px:
+    planes to prefetch meanwhile (empty: none)."""
     if not nt:
-        _plane_dx_span(gb, xb, dxb, mu, rs, wc, k1, k2)
+        _plane_dx_pf(gb, xb, dxb, mu, rs, wc, k1, k2, pg, px)
         return
     for i0 in range(0, xb.shape[0], _CHUNK):
         i1 = min(xb.shape[0], i0 + _CHUNK)
         t = buf[:i1 - i0]
-        _plane_dx_span(gb[i0:i1], xb[i0:i1], t, mu, rs, wc, k1, k2)
+        _plane_dx_pf(gb[i0:i1], xb[i0:i1], t, mu, rs, wc, k1, k2, pg[i0:i1], px[i0:i1])
         _stream(dxb[i0:i1], t)
 
 
+@register_jitable
+def _plane_ahead(a, n, c, ahead, first, last):
+    """The plane ``ahead`` planes after a[n, c] (a: (N, C, S), planes counted n * C + c)
+    if it lies in [first, last] (the next units of this thread's range), else an empty
+    one."""
+    f = n * a.shape[1] + c + ahead
+    if f < first or f > last:
+        return a[0, 0, :0]
+    return a[f // a.shape[1], f % a.shape[1]]
+
+
 @njit(**_JIT)
-def _units_fwd(x, y, w, b, eps, groups, fixed, mean, rstd, var, nt, lo, hi):
+def _units_fwd(x, y, w, b, eps, groups, fixed, mean, rstd, var, nt, ahead, lo, hi):
     """Instance/GroupNorm: normalize each unit (sample, group) of x: (N, C, S), i.e.
     C/groups adjacent planes. mean, rstd, var: (N * groups,), read (fixed) or written;
-    nt: stream y."""
+    nt: stream y; ahead: while writing plane p's output, prefetch plane p + ahead if it
+    belongs to a later unit of the range (``_units_ahead``; as the rows kernels do)."""
     n_, c_, s_ = x.shape
     cg = c_ // groups
     inv_s = _as(mean, 1.0 / s_)
@@ -538,7 +579,8 @@ def _units_fwd(x, y, w, b, eps, groups, fixed, mean, rstd, var, nt, lo, hi):
             rs = _as(mean, 1.0 / math.sqrt(v + eps))
             mean[u], rstd[u], var[u] = x0 + mr64, rs, v
         for c in range(c0, c0 + cg):                               # unit still in L2
-            _plane_affine(x[n, c], y[n, c], x0, mr, rs * w[c], b[c], buf, nt)
+            pa = _plane_ahead(x, n, c, ahead, n * c_ + c0 + cg, hi * cg - 1)
+            _plane_affine(x[n, c], y[n, c], x0, mr, rs * w[c], b[c], buf, nt, pa)
     if nt:
         _fence()
 
@@ -621,10 +663,11 @@ def _channels_bwd(g, x, w, mean, rstd, cb, center, fixed, dx, sg, sgx, lo, hi):
 
 
 @njit(**_JIT)
-def _units_bwd(g, x, w, mean, rstd, groups, center, fixed, dx, sg, sgx, nt, lo, hi):
+def _units_bwd(g, x, w, mean, rstd, groups, center, fixed, dx, sg, sgx, nt, ahead, lo,
+               hi):
     """Instance/GroupNorm: dx of each unit (sample, group) of x: (N, C, S);
     sg[n, c] = sum(g), sgx[n, c] = sum(g * xhat) over each plane (dbias and dweight
-    before the sum over n); nt: stream dx."""
+    before the sum over n); nt: stream dx; ahead: as in ``_units_fwd``, for x and g."""
     n_, c_, s_ = x.shape
     buf = np.empty(_CHUNK if nt else 0, dtype=dx.dtype)
     cg = c_ // groups
@@ -647,7 +690,9 @@ def _units_bwd(g, x, w, mean, rstd, groups, center, fixed, dx, sg, sgx, nt, lo, 
         k1 = _as(mean, 0.0 if fixed else e1 / cnt)
         k2 = _as(mean, e2 / cnt if center and not fixed else 0.0)
         for c in range(c0, c0 + cg):                               # unit still in L2
-            _plane_dx(g[n, c], x[n, c], dx[n, c], mu, rs, w[c], k1, k2, buf, nt)
+            pg = _plane_ahead(g, n, c, ahead, n * c_ + c0 + cg, hi * cg - 1)
+            px = _plane_ahead(x, n, c, ahead, n * c_ + c0 + cg, hi * cg - 1)
+            _plane_dx(g[n, c], x[n, c], dx[n, c], mu, rs, w[c], k1, k2, buf, nt, pg, px)
     if nt:
         _fence()
 
@@ -1034,7 +1079,7 @@ def _last_level_cache_bytes(default=32 << 20):
 _STREAM_BYTES = _last_level_cache_bytes()
 
 
-_AHEAD_BYTES = 8 << 10  # rows kernels: prefetch about this far ahead
+_AHEAD_BYTES = 8 << 10  # rows and units kernels: prefetch about this far ahead
 
 
 def _rows_ahead(k, itemsize):
@@ -1049,6 +1094,20 @@ def _rows_ahead(k, itemsize):
     if itemsize < 4:
         return 0
     return max(1, _AHEAD_BYTES // (k * itemsize))
+
+
+def _units_ahead(itemsize, s):
+    """Planes ahead that ``_units_fwd``/``_units_bwd`` prefetch while writing a plane's
+    output (planes of the next units only): about 8 KiB ahead, at least the next plane,
+    for float32/float64; 0 (none) for half precision, as ``_rows_ahead``. Measured
+    through ``normkit.functional`` on 32x256x56x56 fp32 (2 threads, no-mmap, four
+    interleaved rounds, time with / without): InstanceNorm forward 0.78-0.87,
+    forward+backward 0.88-0.96; GroupNorm(32) forward 0.95-1.01, forward+backward
+    0.92-1.00 (prefetching the whole next unit of 8 planes instead: 0.96-1.04 and
+    0.98-1.09)."""
+    if itemsize < 4:
+        return 0
+    return max(1, _AHEAD_BYTES // (s * itemsize))
 
 
 def _stream_out(t) -> bool:
@@ -1164,7 +1223,8 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
                     fixed, _np(mean_u), _np(rstd_u), _np(var_u))
         else:
             _launch(_units_fwd, units, nt, _np(x3), _np(y3), _np(w), _np(b), float(eps), groups,
-                    fixed, _np(mean_u), _np(rstd_u), _np(var_u), _stream_out(y))
+                    fixed, _np(mean_u), _np(rstd_u), _np(var_u), _stream_out(y),
+                    _units_ahead(x.element_size(), s))
         if fixed:
             return y, mean, rstd, None
         return y, mean_u.view(shape), rstd_u.view(shape), var_u.view(shape)
@@ -1278,7 +1338,8 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
                     cb, bool(center), bool(fixed), _np(dx), sg, sgx)
         else:
             _launch(_units_bwd, units, nt, _np(g3), _np(x3), _np(w), _np(mean_u), _np(rstd_u),
-                    groups, bool(center), bool(fixed), _np(dx), sg, sgx, _stream_out(dx))
+                    groups, bool(center), bool(fixed), _np(dx), sg, sgx, _stream_out(dx),
+                    _units_ahead(x.element_size(), s))
         sg64, sgx64 = sg.astype(np.float64), sgx.astype(np.float64)
     else:
         g3 = grad.reshape(n, c, s)
