@@ -302,31 +302,49 @@ def _row_dx_span(gs, xs, ws, ds, mu, rs, c1, c2):
 _PF_SPAN = 512
 
 
-@register_jitable
+def _half(a):
+    """Whether the numba array type a holds half-precision bits (bfloat16 or float16)."""
+    return a.dtype in (nbt.uint16, nbt.int16)
+
+
 def _row_affine(xs, ys, ws, bs, x0, mr, rs, pa):
     """``_row_affine_span`` with the prefetch of pa (the same span of a row ahead; empty:
-    none) spread over it."""
-    if pa.shape[0] == 0:
-        _row_affine_span(xs, ys, ws, bs, x0, mr, rs)
-        return
-    for i0 in range(0, xs.shape[0], _PF_SPAN):
-        i1 = min(xs.shape[0], i0 + _PF_SPAN)
-        _row_affine_span(xs[i0:i1], ys[i0:i1], ws[i0:i1], bs[i0:i1], x0, mr, rs)
-        _prefetch_lines(pa, i0, i1)
+    none) spread over it. Half precision never prefetches (``_rows_ahead``), so its
+    kernels get the plain whole-span loop, and compile nothing more."""
 
 
-@register_jitable
+@overload(_row_affine)
+def _row_affine_impl(xs, ys, ws, bs, x0, mr, rs, pa):
+    if _half(xs):
+        return lambda xs, ys, ws, bs, x0, mr, rs, pa: _row_affine_span(xs, ys, ws, bs, x0,
+                                                                       mr, rs)
+
+    def impl(xs, ys, ws, bs, x0, mr, rs, pa):
+        for i0 in range(0, xs.shape[0], _PF_SPAN):
+            i1 = min(xs.shape[0], i0 + _PF_SPAN)
+            _row_affine_span(xs[i0:i1], ys[i0:i1], ws[i0:i1], bs[i0:i1], x0, mr, rs)
+            _prefetch_lines(pa, i0, i1)
+    return impl
+
+
 def _row_dx(gs, xs, ws, ds, mu, rs, c1, c2, pg, px):
     """``_row_dx_span`` with the prefetch of pg and px (rows ahead of g and x; empty:
-    none) spread over it."""
-    if px.shape[0] == 0:
-        _row_dx_span(gs, xs, ws, ds, mu, rs, c1, c2)
-        return
-    for i0 in range(0, xs.shape[0], _PF_SPAN):
-        i1 = min(xs.shape[0], i0 + _PF_SPAN)
-        _row_dx_span(gs[i0:i1], xs[i0:i1], ws[i0:i1], ds[i0:i1], mu, rs, c1, c2)
-        _prefetch_lines(pg, i0, i1)
-        _prefetch_lines(px, i0, i1)
+    none) spread over it; the plain loop for half precision."""
+
+
+@overload(_row_dx)
+def _row_dx_impl(gs, xs, ws, ds, mu, rs, c1, c2, pg, px):
+    if _half(xs):
+        return lambda gs, xs, ws, ds, mu, rs, c1, c2, pg, px: _row_dx_span(
+            gs, xs, ws, ds, mu, rs, c1, c2)
+
+    def impl(gs, xs, ws, ds, mu, rs, c1, c2, pg, px):
+        for i0 in range(0, xs.shape[0], _PF_SPAN):
+            i1 = min(xs.shape[0], i0 + _PF_SPAN)
+            _row_dx_span(gs[i0:i1], xs[i0:i1], ws[i0:i1], ds[i0:i1], mu, rs, c1, c2)
+            _prefetch_lines(pg, i0, i1)
+            _prefetch_lines(px, i0, i1)
+    return impl
 
 
 @njit(**_JIT)
@@ -481,17 +499,23 @@ def _plane_affine_span(xs, ys, x0, mr, sc, sh):
         _st(ys, i, ((_ld(xs, i) - x0) - mr) * sc + sh)
 
 
-@register_jitable
 def _plane_affine_pf(xs, ys, x0, mr, sc, sh, pa):
     """``_plane_affine_span`` with the prefetch of pa (the same span of a plane ahead;
-    empty: none) spread over it, as ``_row_affine`` does."""
-    if pa.shape[0] == 0:
-        _plane_affine_span(xs, ys, x0, mr, sc, sh)
-        return
-    for i0 in range(0, xs.shape[0], _PF_SPAN):
-        i1 = min(xs.shape[0], i0 + _PF_SPAN)
-        _plane_affine_span(xs[i0:i1], ys[i0:i1], x0, mr, sc, sh)
-        _prefetch_lines(pa, i0, i1)
+    empty: none) spread over it, as ``_row_affine`` does (and as plainly for half
+    precision)."""
+
+
+@overload(_plane_affine_pf)
+def _plane_affine_pf_impl(xs, ys, x0, mr, sc, sh, pa):
+    if _half(xs):
+        return lambda xs, ys, x0, mr, sc, sh, pa: _plane_affine_span(xs, ys, x0, mr, sc, sh)
+
+    def impl(xs, ys, x0, mr, sc, sh, pa):
+        for i0 in range(0, xs.shape[0], _PF_SPAN):
+            i1 = min(xs.shape[0], i0 + _PF_SPAN)
+            _plane_affine_span(xs[i0:i1], ys[i0:i1], x0, mr, sc, sh)
+            _prefetch_lines(pa, i0, i1)
+    return impl
 
 
 @register_jitable
@@ -516,18 +540,24 @@ def _plane_dx_span(gs, xs, ds, mu, rs, wc, k1, k2):
         _st(ds, i, (_ld(gs, i) * wc - k2 - xh * k1) * rs)
 
 
-@register_jitable
 def _plane_dx_pf(gs, xs, ds, mu, rs, wc, k1, k2, pg, px):
     """``_plane_dx_span`` with the prefetch of pg and px (planes ahead of g and x; empty:
-    none) spread over it."""
-    if px.shape[0] == 0:
-        _plane_dx_span(gs, xs, ds, mu, rs, wc, k1, k2)
-        return
-    for i0 in range(0, xs.shape[0], _PF_SPAN):
-        i1 = min(xs.shape[0], i0 + _PF_SPAN)
-        _plane_dx_span(gs[i0:i1], xs[i0:i1], ds[i0:i1], mu, rs, wc, k1, k2)
-        _prefetch_lines(pg, i0, i1)
-        _prefetch_lines(px, i0, i1)
+    none) spread over it; the plain loop for half precision."""
+
+
+@overload(_plane_dx_pf)
+def _plane_dx_pf_impl(gs, xs, ds, mu, rs, wc, k1, k2, pg, px):
+    if _half(xs):
+        return lambda gs, xs, ds, mu, rs, wc, k1, k2, pg, px: _plane_dx_span(
+            gs, xs, ds, mu, rs, wc, k1, k2)
+
+    def impl(gs, xs, ds, mu, rs, wc, k1, k2, pg, px):
+        for i0 in range(0, xs.shape[0], _PF_SPAN):
+            i1 = min(xs.shape[0], i0 + _PF_SPAN)
+            _plane_dx_span(gs[i0:i1], xs[i0:i1], ds[i0:i1], mu, rs, wc, k1, k2)
+            _prefetch_lines(pg, i0, i1)
+            _prefetch_lines(px, i0, i1)
+    return impl
 
 
 @register_jitable
