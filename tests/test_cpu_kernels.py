@@ -426,29 +426,52 @@ def test_streamed_outputs(op, shape, layout, n_streamed, dtype, monkeypatch):
     _check_against_reference(streamed, ref, x, w, b, dy, dtype)
 
 
-def test_stream_copies_any_span_and_rejects_strided_arrays():
+def test_streamed_spans_match_the_plain_ones_and_reject_other_arrays():
+    # the *_nt intrinsics (vectors with non-temporal stores, plain stores at the unaligned
+    # ends) write the same bits as the plain *_span loops, for any start and length
     from numba import errors, njit
 
     @njit
-    def put(dst, lo, src):
-        cpu._stream(dst[lo:lo + src.shape[0]], src)
+    def both(kind, lo, n, x, g, w, bb, out_nt, out):
+        xs, gs, ws, bs = x[lo:lo + n], g[lo:lo + n], w[lo:lo + n], bb[lo:lo + n]
+        a, b, c, d = x[0], g[0], w[0], bb[0]                       # scalars of the dtype
+        if kind == 0:
+            cpu._plane_affine_nt(out_nt[lo:lo + n], xs, a, b, c, d)
+            cpu._plane_affine_span(xs, out[lo:lo + n], a, b, c, d)
+        elif kind == 1:
+            cpu._row_affine_nt(out_nt[lo:lo + n], xs, ws, bs, a, b, c)
+            cpu._row_affine_span(xs, out[lo:lo + n], ws, bs, a, b, c)
+        elif kind == 2:
+            cpu._row_dx_nt(out_nt[lo:lo + n], gs, xs, ws, a, c, b, d)
+            cpu._row_dx_span(gs, xs, ws, out[lo:lo + n], a, c, b, d)
+        else:
+            cpu._plane_dx_nt(out_nt[lo:lo + n], gs, xs, a, c, b, d, a)
+            cpu._plane_dx_span(gs, xs, out[lo:lo + n], a, c, b, d, a)
         cpu._fence()
 
-    for dtype in (np.float32, np.float64, np.uint16):
-        for lo in (0, 1, 3, 16, 17):                               # unaligned heads
-            for n in (0, 1, 15, 16, 33, 100, 1000):                # and tails
-                dst = np.zeros(1100, dtype)
-                src = (np.arange(n) + 1).astype(dtype)
-                put(dst, lo, src)
-                assert (dst[lo:lo + n] == src).all()
-                assert not dst[:lo].any() and not dst[lo + n:].any()
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        x, g, w, bb = (rng.standard_normal(1100).astype(dtype) for _ in range(4))
+        for kind in range(4):
+            for lo in (0, 1, 3, 16, 17):                           # unaligned heads
+                for n in (0, 1, 15, 16, 33, 100, 1000):            # and tails
+                    out_nt, out = np.zeros(1100, dtype), np.zeros(1100, dtype)
+                    both(kind, lo, n, x, g, w, bb, out_nt, out)
+                    assert np.array_equal(out_nt, out, equal_nan=True), (dtype, kind, lo, n)
+                    assert not out_nt[:lo].any() and not out_nt[lo + n:].any()
 
     @njit
     def strided(dst, src):
-        cpu._stream(dst[::2], src)
+        cpu._plane_affine_nt(dst[::2], src, 0.0, 0.0, 1.0, 0.0)
+
+    @njit
+    def half(dst, src):
+        cpu._plane_affine_nt(dst, src, 0.0, 0.0, 1.0, 0.0)
 
     with pytest.raises(errors.TypingError):
         strided(np.zeros(8, np.float32), np.zeros(4, np.float32))
+    with pytest.raises(errors.TypingError):
+        half(np.zeros(8, np.uint16), np.zeros(8, np.uint16))
 
 
 def test_stream_out_rule(monkeypatch):

@@ -43,8 +43,9 @@ per thread or per (n, c) plane and reduced afterwards, so no two iterations writ
 same memory.
 
 Large float32/float64 outputs of ``_rows_*`` and ``_units_*`` are written with
-non-temporal stores when their memory is already mapped (``_stream``, through an L1
-staging buffer; see ``_stream_out``); everything else stores plainly.
+non-temporal stores when their memory is already mapped (the ``*_nt`` intrinsics, which
+compute the output in vectors and stream each; see ``_stream_out``); everything else
+stores plainly.
 
 Compiled kernels are cached on disk (``cache=True``, in ``__pycache__`` next to this
 file or ``NUMBA_CACHE_DIR``); see ``docs/performance.md`` for the first-call cost.
@@ -188,51 +189,116 @@ def _as_impl(a, v):
 # streaming (non-temporal) output
 # ---------------------------------------------------------------------------------------
 
-# Large outputs are computed a chunk at a time into a small buffer that stays in L1, then
-# written with non-temporal stores, which skip reading each destination line into the
-# cache before overwriting it (a third of the memory traffic of a one-input elementwise
-# op). See ``_stream_out`` for when.
-_CHUNK = 2048              # elements per staged chunk (8 KiB of float32)
+# Large float32/float64 outputs are written with non-temporal stores, which skip reading
+# each destination line into the cache before overwriting it (a third of the memory
+# traffic of a one-input elementwise op). See ``_stream_out`` for when. Each output
+# formula has an intrinsic of its own that computes it in 64-byte vectors and stores each
+# with LLVM's ``!nontemporal`` (``vmovntps``/``vmovntpd``), the same IEEE operations in the
+# same order as the plain ``*_span`` loop (no contraction into FMAs), so the same bits.
+# (Computing a chunk into an L1 buffer and streaming the buffer, as before, cost an extra
+# store and load per element: 6.2-7.3 ms against 5.2-5.3 for the fused loop on a 100 MiB
+# plane affine, a copy_ 6.6-6.9.)
+
+
+def _streamed_map(n_inputs, expr):
+    """Codegen of ``f(dst, in_1..in_n, s_1..s_m)``: dst[i] = expr(in_1[i].., s_1..) for
+    contiguous 1-d arrays of one float dtype and length, the 64-byte-aligned interior of
+    dst written in vectors with non-temporal stores, the unaligned ends element by
+    element with plain ones. expr(builder, inputs, scalars) builds the value from scalars
+    or vectors alike."""
+    def codegen(context, builder, sig, args):
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        arrays = [context.make_array(t)(context, builder, v)
+                  for t, v in zip(sig.args[:1 + n_inputs], args[:1 + n_inputs])]
+        dst, srcs = arrays[0].data, [a.data for a in arrays[1:]]
+        scalars = list(args[1 + n_inputs:])
+        dty = context.get_data_type(sig.args[0].dtype)
+        size = context.get_abi_sizeof(dty)
+        lanes = 64 // size
+        n = builder.extract_value(arrays[0].shape, 0)
+
+        def one(i):
+            vals = [builder.load(builder.gep(p, [i])) for p in srcs]
+            builder.store(expr(builder, vals, scalars), builder.gep(dst, [i]))
+
+        def each(start, count):
+            with cgutils.for_range(builder, count) as loop:
+                one(builder.add(start, loop.index))
+
+        head = builder.and_(builder.neg(builder.ptrtoint(dst, i64)), ir.Constant(i64, 63))
+        head = builder.udiv(head, ir.Constant(i64, size))         # elements to alignment
+        head = builder.select(builder.icmp_unsigned("<", head, n), head, n)
+        each(ir.Constant(i64, 0), head)
+        vt = ir.VectorType(dty, lanes)
+        zeros = ir.Constant(ir.VectorType(i32, lanes), None)
+
+        def splat(v):
+            v = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(i32, 0))
+            return builder.shuffle_vector(v, v, zeros)
+        vscalars = [splat(v) for v in scalars]
+        nontemporal = builder.module.add_metadata([ir.Constant(i32, 1)])
+        blocks = builder.udiv(builder.sub(n, head), ir.Constant(i64, lanes))
+        with cgutils.for_range(builder, blocks) as loop:
+            off = builder.add(head, builder.mul(loop.index, ir.Constant(i64, lanes)))
+            vals = [builder.load(builder.bitcast(builder.gep(p, [off]), vt.as_pointer()),
+                                 align=size) for p in srcs]
+            st = builder.store(expr(builder, vals, vscalars),
+                               builder.bitcast(builder.gep(dst, [off]), vt.as_pointer()),
+                               align=64)
+            st.set_metadata("nontemporal", nontemporal)
+        done = builder.add(head, builder.mul(blocks, ir.Constant(i64, lanes)))
+        each(done, builder.sub(n, done))
+        return context.get_dummy_value()
+    return codegen
+
+
+def _streamed_sig(arrays, n_scalars):
+    """The signature of a ``_streamed_map`` intrinsic, or None (a typing error) unless the
+    arrays are contiguous 1-d float32 or float64 arrays of one dtype."""
+    if not all(isinstance(a, nbt.Array) and a.ndim == 1 and a.layout == "C"
+               and a.dtype == arrays[0].dtype for a in arrays):
+        return None
+    dt = arrays[0].dtype
+    if dt not in (nbt.float32, nbt.float64):
+        return None
+    return nbt.none(*arrays, *([dt] * n_scalars))
 
 
 @intrinsic
-def _stream(typingctx, dst, src):
-    """``dst[:] = src`` for two contiguous 1-d arrays of one dtype and length, the
-    64-byte-aligned interior of dst written with non-temporal stores (LLVM's
-    ``!nontemporal``: ``vmovntps`` on x86), the unaligned ends with plain ones."""
-    if not (isinstance(dst, nbt.Array) and isinstance(src, nbt.Array)
-            and dst.dtype == src.dtype and dst.ndim == src.ndim == 1
-            and dst.layout == src.layout == "C"):
-        return None                                # numba reports the typing error
+def _plane_affine_nt(typingctx, ys, xs, x0, mr, sc, sh):
+    """``_plane_affine_span`` with non-temporal stores: ys = ((xs - x0) - mr) * sc + sh."""
+    sig = _streamed_sig([ys, xs], 4)
+    return sig and (sig, _streamed_map(1, lambda b, v, s: b.fadd(
+        b.fmul(b.fsub(b.fsub(v[0], s[0]), s[1]), s[2]), s[3])))
 
-    def codegen(context, builder, sig, args):
-        i8p, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
-        da = context.make_array(sig.args[0])(context, builder, args[0])
-        sa = context.make_array(sig.args[1])(context, builder, args[1])
-        size = context.get_abi_sizeof(context.get_data_type(sig.args[0].dtype))
-        nbytes = builder.mul(builder.extract_value(da.shape, 0), ir.Constant(i64, size))
-        d, s = builder.bitcast(da.data, i8p), builder.bitcast(sa.data, i8p)
 
-        def copy_bytes(start, count):
-            with cgutils.for_range(builder, count) as loop:
-                i = builder.add(start, loop.index)
-                builder.store(builder.load(builder.gep(s, [i])), builder.gep(d, [i]))
+@intrinsic
+def _row_affine_nt(typingctx, ys, xs, ws, bs, x0, mr, rs):
+    """``_row_affine_span`` with non-temporal stores: ys = ((xs - x0) - mr) * (rs * ws)
+    + bs."""
+    sig = _streamed_sig([ys, xs, ws, bs], 3)
+    return sig and (sig, _streamed_map(3, lambda b, v, s: b.fadd(
+        b.fmul(b.fsub(b.fsub(v[0], s[0]), s[1]), b.fmul(s[2], v[1])), v[2])))
 
-        head = builder.and_(builder.neg(builder.ptrtoint(d, i64)), ir.Constant(i64, 63))
-        head = builder.select(builder.icmp_unsigned("<", head, nbytes), head, nbytes)
-        copy_bytes(ir.Constant(i64, 0), head)
-        blocks = builder.udiv(builder.sub(nbytes, head), ir.Constant(i64, 64))
-        line = ir.VectorType(ir.IntType(32), 16).as_pointer()       # 64 bytes
-        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-        with cgutils.for_range(builder, blocks) as loop:
-            off = builder.add(head, builder.mul(loop.index, ir.Constant(i64, 64)))
-            v = builder.load(builder.bitcast(builder.gep(s, [off]), line), align=1)
-            st = builder.store(v, builder.bitcast(builder.gep(d, [off]), line), align=64)
-            st.set_metadata("nontemporal", nontemporal)
-        done = builder.add(head, builder.mul(blocks, ir.Constant(i64, 64)))
-        copy_bytes(done, builder.sub(nbytes, done))
-        return context.get_dummy_value()
-    return nbt.none(dst, src), codegen
+
+@intrinsic
+def _row_dx_nt(typingctx, ds, gs, xs, ws, mu, rs, c1, c2):
+    """``_row_dx_span`` with non-temporal stores: ds = (gs * ws - c2 - xhat * c1) * rs,
+    xhat = (xs - mu) * rs."""
+    sig = _streamed_sig([ds, gs, xs, ws], 4)
+    return sig and (sig, _streamed_map(3, lambda b, v, s: b.fmul(b.fsub(
+        b.fsub(b.fmul(v[0], v[2]), s[3]), b.fmul(b.fmul(b.fsub(v[1], s[0]), s[1]), s[2])),
+        s[1])))
+
+
+@intrinsic
+def _plane_dx_nt(typingctx, ds, gs, xs, mu, rs, wc, k1, k2):
+    """``_plane_dx_span`` with non-temporal stores: ds = (gs * wc - k2 - xhat * k1) * rs,
+    xhat = (xs - mu) * rs."""
+    sig = _streamed_sig([ds, gs, xs], 5)
+    return sig and (sig, _streamed_map(2, lambda b, v, s: b.fmul(b.fsub(
+        b.fsub(b.fmul(v[0], s[2]), s[4]), b.fmul(b.fmul(b.fsub(v[1], s[0]), s[1]), s[3])),
+        s[1])))
 
 
 @intrinsic
@@ -270,9 +336,10 @@ def _prefetch_lines(a, i0, i1):
         _prefetch(a, i)
 
 
-# Each output loop is a ``*_span`` helper over a contiguous span, called once on the whole
-# span when not streaming (a chunked loop costs the half-precision kernels 5-13 %), or
-# chunk by chunk into the staging buffer, each chunk then streamed by ``_stream``.
+# Each output loop is a ``*_span`` helper over a contiguous span: called once on the whole
+# span for half precision (a chunked loop costs the half-precision kernels 5-13 %), in
+# pieces with prefetches between them for float32/float64, or replaced by its streaming
+# twin (``*_nt``) when the output is streamed.
 
 
 # ---------------------------------------------------------------------------------------
@@ -307,41 +374,48 @@ def _half(a):
     return a.dtype in (nbt.uint16, nbt.int16)
 
 
-def _row_affine(xs, ys, ws, bs, x0, mr, rs, pa):
-    """``_row_affine_span`` with the prefetch of pa (the same span of a row ahead; empty:
-    none) spread over it. Half precision never prefetches (``_rows_ahead``), so its
-    kernels get the plain whole-span loop, and compile nothing more."""
+def _row_affine(xs, ys, ws, bs, x0, mr, rs, pa, nt):
+    """``_row_affine_span``, streamed (``_row_affine_nt``) when nt, with the prefetch of
+    pa (the same span of a row ahead; empty: none) spread over it. Half precision never
+    streams nor prefetches (``_stream_out``, ``_rows_ahead``), so its kernels get the
+    plain whole-span loop, and compile nothing more."""
 
 
 @overload(_row_affine)
-def _row_affine_impl(xs, ys, ws, bs, x0, mr, rs, pa):
+def _row_affine_impl(xs, ys, ws, bs, x0, mr, rs, pa, nt):
     if _half(xs):
-        return lambda xs, ys, ws, bs, x0, mr, rs, pa: _row_affine_span(xs, ys, ws, bs, x0,
-                                                                       mr, rs)
+        return lambda xs, ys, ws, bs, x0, mr, rs, pa, nt: _row_affine_span(
+            xs, ys, ws, bs, x0, mr, rs)
 
-    def impl(xs, ys, ws, bs, x0, mr, rs, pa):
+    def impl(xs, ys, ws, bs, x0, mr, rs, pa, nt):
         for i0 in range(0, xs.shape[0], _PF_SPAN):
             i1 = min(xs.shape[0], i0 + _PF_SPAN)
-            _row_affine_span(xs[i0:i1], ys[i0:i1], ws[i0:i1], bs[i0:i1], x0, mr, rs)
+            if nt:
+                _row_affine_nt(ys[i0:i1], xs[i0:i1], ws[i0:i1], bs[i0:i1], x0, mr, rs)
+            else:
+                _row_affine_span(xs[i0:i1], ys[i0:i1], ws[i0:i1], bs[i0:i1], x0, mr, rs)
             _prefetch_lines(pa, i0, i1)
     return impl
 
 
-def _row_dx(gs, xs, ws, ds, mu, rs, c1, c2, pg, px):
-    """``_row_dx_span`` with the prefetch of pg and px (rows ahead of g and x; empty:
-    none) spread over it; the plain loop for half precision."""
+def _row_dx(gs, xs, ws, ds, mu, rs, c1, c2, pg, px, nt):
+    """``_row_dx_span``, streamed when nt, with the prefetch of pg and px (rows ahead of
+    g and x; empty: none) spread over it; the plain loop for half precision."""
 
 
 @overload(_row_dx)
-def _row_dx_impl(gs, xs, ws, ds, mu, rs, c1, c2, pg, px):
+def _row_dx_impl(gs, xs, ws, ds, mu, rs, c1, c2, pg, px, nt):
     if _half(xs):
-        return lambda gs, xs, ws, ds, mu, rs, c1, c2, pg, px: _row_dx_span(
+        return lambda gs, xs, ws, ds, mu, rs, c1, c2, pg, px, nt: _row_dx_span(
             gs, xs, ws, ds, mu, rs, c1, c2)
 
-    def impl(gs, xs, ws, ds, mu, rs, c1, c2, pg, px):
+    def impl(gs, xs, ws, ds, mu, rs, c1, c2, pg, px, nt):
         for i0 in range(0, xs.shape[0], _PF_SPAN):
             i1 = min(xs.shape[0], i0 + _PF_SPAN)
-            _row_dx_span(gs[i0:i1], xs[i0:i1], ws[i0:i1], ds[i0:i1], mu, rs, c1, c2)
+            if nt:
+                _row_dx_nt(ds[i0:i1], gs[i0:i1], xs[i0:i1], ws[i0:i1], mu, rs, c1, c2)
+            else:
+                _row_dx_span(gs[i0:i1], xs[i0:i1], ws[i0:i1], ds[i0:i1], mu, rs, c1, c2)
             _prefetch_lines(pg, i0, i1)
             _prefetch_lines(px, i0, i1)
     return impl
@@ -355,7 +429,6 @@ def _rows_fwd(x, y, w, b, eps, center, mean, rstd, var, nt, ahead, lo, hi):
     none (``_rows_ahead``)."""
     m, k = x.shape
     inv_k = _as(mean, 1.0 / k)
-    buf = np.empty(_CHUNK if nt else 0, dtype=y.dtype)
     for r in range(lo, hi):
         xr = x[r]                                                  # K
         yr = y[r]                                                  # K
@@ -378,14 +451,7 @@ def _rows_fwd(x, y, w, b, eps, center, mean, rstd, var, nt, ahead, lo, hi):
         mean[r] = x0 + mr
         rstd[r] = rs
         var[r] = v
-        if not nt:
-            _row_affine(xr, yr, w, b, x0, mr, rs, pa)
-            continue
-        for i0 in range(0, k, _CHUNK):
-            i1 = min(k, i0 + _CHUNK)
-            t = buf[:i1 - i0]
-            _row_affine(xr[i0:i1], t, w[i0:i1], b[i0:i1], x0, mr, rs, pa[i0:i1])
-            _stream(yr[i0:i1], t)
+        _row_affine(xr, yr, w, b, x0, mr, rs, pa, nt)
     if nt:
         _fence()
 
@@ -399,7 +465,6 @@ def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp, nt, ahead, lo, hi):
     parts = dwp.shape[0]
     chunk = (m + parts - 1) // parts
     inv_k = _as(mean, 1.0 / k)
-    buf = np.empty(_CHUNK if nt else 0, dtype=dx.dtype)
     for t in range(lo, hi):
         dwt = dwp[t]                                               # K
         dbt = dbp[t]                                               # K
@@ -421,15 +486,7 @@ def _rows_bwd(g, x, w, mean, rstd, center, dx, dwp, dbp, nt, ahead, lo, hi):
                 dbt[i] += gi
             c1 *= inv_k
             c2 = c2 * inv_k if center else _as(mean, 0.0)
-            if not nt:                                             # x, g rows from L1/L2
-                _row_dx(gr, xr, w, dxr, mu, rs, c1, c2, pg, px)
-                continue
-            for i0 in range(0, k, _CHUNK):
-                i1 = min(k, i0 + _CHUNK)
-                o = buf[:i1 - i0]
-                _row_dx(gr[i0:i1], xr[i0:i1], w[i0:i1], o, mu, rs, c1, c2, pg[i0:i1],
-                        px[i0:i1])
-                _stream(dxr[i0:i1], o)
+            _row_dx(gr, xr, w, dxr, mu, rs, c1, c2, pg, px, nt)    # x, g from L1/L2
     if nt:
         _fence()
 
@@ -499,37 +556,28 @@ def _plane_affine_span(xs, ys, x0, mr, sc, sh):
         _st(ys, i, ((_ld(xs, i) - x0) - mr) * sc + sh)
 
 
-def _plane_affine_pf(xs, ys, x0, mr, sc, sh, pa):
-    """``_plane_affine_span`` with the prefetch of pa (the same span of a plane ahead;
-    empty: none) spread over it, as ``_row_affine`` does (and as plainly for half
+def _plane_affine(xb, yb, x0, mr, sc, sh, nt, pa):
+    """yb = ((xb - x0) - mr) * sc + sh over a plane (S,), streamed
+    (``_plane_affine_nt``) when nt, with the prefetch of pa (the same span of a plane
+    ahead; empty: none) spread over it, as ``_row_affine`` does (and as plainly for half
     precision)."""
 
 
-@overload(_plane_affine_pf)
-def _plane_affine_pf_impl(xs, ys, x0, mr, sc, sh, pa):
-    if _half(xs):
-        return lambda xs, ys, x0, mr, sc, sh, pa: _plane_affine_span(xs, ys, x0, mr, sc, sh)
+@overload(_plane_affine)
+def _plane_affine_impl(xb, yb, x0, mr, sc, sh, nt, pa):
+    if _half(xb):
+        return lambda xb, yb, x0, mr, sc, sh, nt, pa: _plane_affine_span(xb, yb, x0, mr, sc,
+                                                                         sh)
 
-    def impl(xs, ys, x0, mr, sc, sh, pa):
-        for i0 in range(0, xs.shape[0], _PF_SPAN):
-            i1 = min(xs.shape[0], i0 + _PF_SPAN)
-            _plane_affine_span(xs[i0:i1], ys[i0:i1], x0, mr, sc, sh)
+    def impl(xb, yb, x0, mr, sc, sh, nt, pa):
+        for i0 in range(0, xb.shape[0], _PF_SPAN):
+            i1 = min(xb.shape[0], i0 + _PF_SPAN)
+            if nt:
+                _plane_affine_nt(yb[i0:i1], xb[i0:i1], x0, mr, sc, sh)
+            else:
+                _plane_affine_span(xb[i0:i1], yb[i0:i1], x0, mr, sc, sh)
             _prefetch_lines(pa, i0, i1)
     return impl
-
-
-@register_jitable
-def _plane_affine(xb, yb, x0, mr, sc, sh, buf, nt, pa):
-    """yb = ((xb - x0) - mr) * sc + sh over a plane (S,); streamed when nt; pa: a plane
-    to prefetch meanwhile (empty: none)."""
-    if not nt:
-        _plane_affine_pf(xb, yb, x0, mr, sc, sh, pa)
-        return
-    for i0 in range(0, xb.shape[0], _CHUNK):
-        i1 = min(xb.shape[0], i0 + _CHUNK)
-        t = buf[:i1 - i0]
-        _plane_affine_pf(xb[i0:i1], t, x0, mr, sc, sh, pa[i0:i1])
-        _stream(yb[i0:i1], t)
 
 
 @register_jitable
@@ -540,38 +588,28 @@ def _plane_dx_span(gs, xs, ds, mu, rs, wc, k1, k2):
         _st(ds, i, (_ld(gs, i) * wc - k2 - xh * k1) * rs)
 
 
-def _plane_dx_pf(gs, xs, ds, mu, rs, wc, k1, k2, pg, px):
-    """``_plane_dx_span`` with the prefetch of pg and px (planes ahead of g and x; empty:
-    none) spread over it; the plain loop for half precision."""
+def _plane_dx(gb, xb, dxb, mu, rs, wc, k1, k2, nt, pg, px):
+    """dxb = (gb * wc - k2 - xhat * k1) * rs over a plane (S,), streamed when nt, with
+    the prefetch of pg and px (planes ahead of g and x; empty: none) spread over it; the
+    plain loop for half precision."""
 
 
-@overload(_plane_dx_pf)
-def _plane_dx_pf_impl(gs, xs, ds, mu, rs, wc, k1, k2, pg, px):
-    if _half(xs):
-        return lambda gs, xs, ds, mu, rs, wc, k1, k2, pg, px: _plane_dx_span(
-            gs, xs, ds, mu, rs, wc, k1, k2)
+@overload(_plane_dx)
+def _plane_dx_impl(gb, xb, dxb, mu, rs, wc, k1, k2, nt, pg, px):
+    if _half(xb):
+        return lambda gb, xb, dxb, mu, rs, wc, k1, k2, nt, pg, px: _plane_dx_span(
+            gb, xb, dxb, mu, rs, wc, k1, k2)
 
-    def impl(gs, xs, ds, mu, rs, wc, k1, k2, pg, px):
-        for i0 in range(0, xs.shape[0], _PF_SPAN):
-            i1 = min(xs.shape[0], i0 + _PF_SPAN)
-            _plane_dx_span(gs[i0:i1], xs[i0:i1], ds[i0:i1], mu, rs, wc, k1, k2)
+    def impl(gb, xb, dxb, mu, rs, wc, k1, k2, nt, pg, px):
+        for i0 in range(0, xb.shape[0], _PF_SPAN):
+            i1 = min(xb.shape[0], i0 + _PF_SPAN)
+            if nt:
+                _plane_dx_nt(dxb[i0:i1], gb[i0:i1], xb[i0:i1], mu, rs, wc, k1, k2)
+            else:
+                _plane_dx_span(gb[i0:i1], xb[i0:i1], dxb[i0:i1], mu, rs, wc, k1, k2)
             _prefetch_lines(pg, i0, i1)
             _prefetch_lines(px, i0, i1)
     return impl
-
-
-@register_jitable
-def _plane_dx(gb, xb, dxb, mu, rs, wc, k1, k2, buf, nt, pg, px):
-    """dxb = (gb * wc - k2 - xhat * k1) * rs over a plane (S,); streamed when nt; pg, px:
-    planes to prefetch meanwhile (empty: none)."""
-    if not nt:
-        _plane_dx_pf(gb, xb, dxb, mu, rs, wc, k1, k2, pg, px)
-        return
-    for i0 in range(0, xb.shape[0], _CHUNK):
-        i1 = min(xb.shape[0], i0 + _CHUNK)
-        t = buf[:i1 - i0]
-        _plane_dx_pf(gb[i0:i1], xb[i0:i1], t, mu, rs, wc, k1, k2, pg[i0:i1], px[i0:i1])
-        _stream(dxb[i0:i1], t)
 
 
 @register_jitable
@@ -594,7 +632,6 @@ def _units_fwd(x, y, w, b, eps, groups, fixed, mean, rstd, var, nt, ahead, lo, h
     n_, c_, s_ = x.shape
     cg = c_ // groups
     inv_s = _as(mean, 1.0 / s_)
-    buf = np.empty(_CHUNK if nt else 0, dtype=y.dtype)
     for u in range(lo, hi):
         n, c0 = u // groups, (u % groups) * cg
         x0 = _ld(x[n, c0], 0)                                      # shift of the unit
@@ -610,7 +647,7 @@ def _units_fwd(x, y, w, b, eps, groups, fixed, mean, rstd, var, nt, ahead, lo, h
             mean[u], rstd[u], var[u] = x0 + mr64, rs, v
         for c in range(c0, c0 + cg):                               # unit still in L2
             pa = _plane_ahead(x, n, c, ahead, n * c_ + c0 + cg, hi * cg - 1)
-            _plane_affine(x[n, c], y[n, c], x0, mr, rs * w[c], b[c], buf, nt, pa)
+            _plane_affine(x[n, c], y[n, c], x0, mr, rs * w[c], b[c], nt, pa)
     if nt:
         _fence()
 
@@ -699,7 +736,6 @@ def _units_bwd(g, x, w, mean, rstd, groups, center, fixed, dx, sg, sgx, nt, ahea
     sg[n, c] = sum(g), sgx[n, c] = sum(g * xhat) over each plane (dbias and dweight
     before the sum over n); nt: stream dx; ahead: as in ``_units_fwd``, for x and g."""
     n_, c_, s_ = x.shape
-    buf = np.empty(_CHUNK if nt else 0, dtype=dx.dtype)
     cg = c_ // groups
     cnt = cg * s_
     for u in range(lo, hi):
@@ -722,7 +758,7 @@ def _units_bwd(g, x, w, mean, rstd, groups, center, fixed, dx, sg, sgx, nt, ahea
         for c in range(c0, c0 + cg):                               # unit still in L2
             pg = _plane_ahead(g, n, c, ahead, n * c_ + c0 + cg, hi * cg - 1)
             px = _plane_ahead(x, n, c, ahead, n * c_ + c0 + cg, hi * cg - 1)
-            _plane_dx(g[n, c], x[n, c], dx[n, c], mu, rs, w[c], k1, k2, buf, nt, pg, px)
+            _plane_dx(g[n, c], x[n, c], dx[n, c], mu, rs, w[c], k1, k2, nt, pg, px)
     if nt:
         _fence()
 
