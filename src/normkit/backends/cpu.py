@@ -302,6 +302,24 @@ def _plane_dx_nt(typingctx, ds, gs, xs, mu, rs, wc, k1, k2):
 
 
 @intrinsic
+def _cl_affine_nt(typingctx, ys, xs, mu, sc, sh):
+    """A row of ``_cl_affine`` with non-temporal stores: ys = (xs - mu) * sc + sh, all
+    per-channel rows."""
+    sig = _streamed_sig([ys, xs, mu, sc, sh], 0)
+    return sig and (sig, _streamed_map(4, lambda b, v, s: b.fadd(
+        b.fmul(b.fsub(v[0], v[1]), v[2]), v[3])))
+
+
+@intrinsic
+def _cl_dx_nt(typingctx, ds, gs, xs, mu, k1, k2, k3):
+    """A row of ``_cl_bwd_apply`` with non-temporal stores: ds = gs * k1 - (xs - mu) * k2
+    - k3, all per-channel rows."""
+    sig = _streamed_sig([ds, gs, xs, mu, k1, k2, k3], 0)
+    return sig and (sig, _streamed_map(6, lambda b, v, s: b.fsub(
+        b.fsub(b.fmul(v[0], v[3]), b.fmul(b.fsub(v[1], v[2]), v[4])), v[5])))
+
+
+@intrinsic
 def _fence(typingctx):
     """A full memory fence (``mfence``): orders the non-temporal stores before it with
     whatever the thread does next (they are weakly ordered otherwise)."""
@@ -845,17 +863,34 @@ def _cl_range_moments(x, n, c_, s_begin, s_end, rb, rg, am, a2, bs, bq, bk, bc, 
         cnt = tot
 
 
-@register_jitable
-def _cl_affine(xn, yn, c_, s0, s1, mu, sc, sh):
+def _cl_affine(xn, yn, c_, s0, s1, mu, sc, sh, nt):
     """y = (x - mu) * sc + sh over the rows [s0, s1) of one sample (S*C), a row at a time;
-    mu, sc, sh: (C,) per-channel coefficients. (Folding the mean into the shift,
-    y = x * sc + (sh - mu * sc), saves a load per element, about 10 % of this pass, but
-    rounds x * sc: an error of 1.5 ulps of the input at an offset of 1e3, against 0.5.)
-    y is never streamed: measured no faster on channels_last (``_stream_out``)."""
+    mu, sc, sh: (C,) per-channel coefficients; streamed (``_cl_affine_nt``) when nt.
+    (Folding the mean into the shift, y = x * sc + (sh - mu * sc), saves a load per
+    element, about 10 % of this pass, but rounds x * sc: an error of 1.5 ulps of the
+    input at an offset of 1e3, against 0.5.)"""
+
+
+@register_jitable
+def _cl_affine_plain(xn, yn, c_, s0, s1, mu, sc, sh, nt):
     for r in range(s0, s1):
-        xs, ys = xn[r * c_:(r + 1) * c_], yn[r * c_:(r + 1) * c_]  # C
+        xs, ys = xn[r * c_:(r + 1) * c_], yn[r * c_:(r + 1) * c_]      # C
         for c in range(c_):
             _st(ys, c, (_ld(xs, c) - mu[c]) * sc[c] + sh[c])
+
+
+@overload(_cl_affine)
+def _cl_affine_impl(xn, yn, c_, s0, s1, mu, sc, sh, nt):
+    if _half(xn):
+        return _cl_affine_plain
+
+    def impl(xn, yn, c_, s0, s1, mu, sc, sh, nt):
+        if not nt:
+            _cl_affine_plain(xn, yn, c_, s0, s1, mu, sc, sh, nt)
+            return
+        for r in range(s0, s1):
+            _cl_affine_nt(yn[r * c_:(r + 1) * c_], xn[r * c_:(r + 1) * c_], mu, sc, sh)
+    return impl
 
 
 @njit(**_JIT)
@@ -877,7 +912,7 @@ def _cl_moments(x, c_, parts, rb, rg, sdt, pmean, pm2, lo, hi):
 
 
 @njit(**_JIT)
-def _cl_sample_fwd(x, y, w, b, eps, c_, groups, rb, rg, mean, rstd, var, lo, hi):
+def _cl_sample_fwd(x, y, w, b, eps, c_, groups, rb, rg, mean, rstd, var, nt, lo, hi):
     """Instance/GroupNorm on channels_last, one sample per iteration: statistics of each
     (sample, group), then the sample normalized while it is still in L3 (x read from
     memory once). x, y: (N, S*C); mean, rstd, var: (N * groups,)."""
@@ -909,17 +944,23 @@ def _cl_sample_fwd(x, y, w, b, eps, c_, groups, rb, rg, mean, rstd, var, lo, hi)
                 c = g * cg + j
                 mu[c] = gm
                 sc[c] = rs * w[c]
-        _cl_affine(x[n], y[n], c_, 0, s_, mu, sc, b)
+        _cl_affine(x[n], y[n], c_, 0, s_, mu, sc, b, nt)
+    if nt:
+        _fence()
 
 
 @njit(**_JIT)
-def _cl_apply(x, y, c_, parts, mu, sc, sh, lo, hi):
-    """y = (x - mu) * sc + sh with per-(n, c) coefficients (N, C); x, y: (N, S*C)."""
+def _cl_apply(x, y, c_, parts, mu, sc, sh, nt, lo, hi):
+    """y = (x - mu) * sc + sh with per-(n, c) coefficients (N, C); x, y: (N, S*C); nt:
+    stream y."""
     s_ = x.shape[1] // c_
     plen = (s_ + parts - 1) // parts
     for t in range(lo, hi):
         n, p = t // parts, t % parts
-        _cl_affine(x[n], y[n], c_, p * plen, min(s_, (p + 1) * plen), mu[n], sc[n], sh[n])
+        _cl_affine(x[n], y[n], c_, p * plen, min(s_, (p + 1) * plen), mu[n], sc[n], sh[n],
+                   nt)
+    if nt:
+        _fence()
 
 
 @njit(**_JIT)
@@ -961,23 +1002,49 @@ def _cl_bwd_sums(g, x, c_, parts, rb, rg, mu, rs, psg, psgx, lo, hi):
                 sgx[c] += ac[c] * rsr[c]
 
 
+def _cl_dx_rows(gn, xn, dxn, c_, r0, r1, mur, k1r, k2r, k3r, nt):
+    """dx = g * k1 - (x - mu) * k2 - k3 over the rows [r0, r1) of one sample (S*C), a row
+    at a time; streamed (``_cl_dx_nt``) when nt."""
+
+
+@register_jitable
+def _cl_dx_plain(gn, xn, dxn, c_, r0, r1, mur, k1r, k2r, k3r, nt):
+    for r in range(r0, r1):
+        lo_, hi_ = r * c_, (r + 1) * c_
+        xs, gs, ds = xn[lo_:hi_], gn[lo_:hi_], dxn[lo_:hi_]        # C
+        for c in range(c_):
+            _st(ds, c, _ld(gs, c) * k1r[c] - (_ld(xs, c) - mur[c]) * k2r[c] - k3r[c])
+
+
+@overload(_cl_dx_rows)
+def _cl_dx_rows_impl(gn, xn, dxn, c_, r0, r1, mur, k1r, k2r, k3r, nt):
+    if _half(xn):
+        return _cl_dx_plain
+
+    def impl(gn, xn, dxn, c_, r0, r1, mur, k1r, k2r, k3r, nt):
+        if not nt:
+            _cl_dx_plain(gn, xn, dxn, c_, r0, r1, mur, k1r, k2r, k3r, nt)
+            return
+        for r in range(r0, r1):
+            lo_, hi_ = r * c_, (r + 1) * c_
+            _cl_dx_nt(dxn[lo_:hi_], gn[lo_:hi_], xn[lo_:hi_], mur, k1r, k2r, k3r)
+    return impl
+
+
 @njit(**_JIT)
-def _cl_bwd_apply(g, x, dx, c_, parts, mu, k1, k2, k3, lo, hi):
+def _cl_bwd_apply(g, x, dx, c_, parts, mu, k1, k2, k3, nt, lo, hi):
     """dx = g * k1 - (x - mu) * k2 - k3 with per-(n, c) coefficients (N, C), a row at a
     time (four rows at once measured slower in development: 0.90 against 0.77 cycles per
     element in cache; x * k2 with the mean folded into k3 would round x * k2, costly for
-    data far from zero). dx is not streamed (x and g come from memory: 0.99-1.03 x)."""
+    data far from zero); nt: stream dx."""
     s_ = x.shape[1] // c_
     plen = (s_ + parts - 1) // parts
     for t in range(lo, hi):
         n, p = t // parts, t % parts
-        xn, gn, dxn = x[n], g[n], dx[n]                            # S*C
-        mur, k1r, k2r, k3r = mu[n], k1[n], k2[n], k3[n]            # C
-        for r in range(p * plen, min(s_, (p + 1) * plen)):
-            lo_, hi_ = r * c_, (r + 1) * c_
-            xs, gs, ds = xn[lo_:hi_], gn[lo_:hi_], dxn[lo_:hi_]    # C
-            for c in range(c_):
-                _st(ds, c, _ld(gs, c) * k1r[c] - (_ld(xs, c) - mur[c]) * k2r[c] - k3r[c])
+        _cl_dx_rows(g[n], x[n], dx[n], c_, p * plen, min(s_, (p + 1) * plen), mu[n], k1[n],
+                    k2[n], k3[n], nt)
+    if nt:
+        _fence()
 
 
 # Between the passes, per-(n, c) partials become the grouping's statistics and per-(n, c)
@@ -1302,7 +1369,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         # one sample per iteration, normalized while in cache
         mean_u, rstd_u, var_u = (torch.empty(n * groups, dtype=sdtype) for _ in range(3))
         _launch(_cl_sample_fwd, n, nt, xt, yt, _np(w), _np(b), float(eps), c, groups, rb, rg,
-                _np(mean_u), _np(rstd_u), _np(var_u))
+                _np(mean_u), _np(rstd_u), _np(var_u), _stream_out(y))
         return y, mean_u.view(shape), rstd_u.view(shape), var_u.view(shape)
     parts = _parts(n, s, nt)
     st = _NP_STAT[sdtype]
@@ -1320,7 +1387,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         mean, rstd, var = (torch.empty(shape, dtype=sdtype) for _ in range(3))
         _cl_stats(pmean, pm2, s, sn, cg, float(eps), _np(w), _np(b), _np(mean).reshape(-1),
                   _np(rstd).reshape(-1), _np(var).reshape(-1), mu, sc, sh)
-    _launch(_cl_apply, n * parts, nt, xt, yt, c, parts, mu, sc, sh)
+    _launch(_cl_apply, n * parts, nt, xt, yt, c, parts, mu, sc, sh, _stream_out(y))
     return y, mean, rstd, var
 
 
@@ -1428,7 +1495,8 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         _cl_grad_coefs(psg, psgx, rstd_f, _np(w), sn, cg, float(grouping.group_size),
                        bool(center), bool(fixed), k1, k2, k3, dwa, dba)
         dx = _empty_like(x3)
-        _launch(_cl_bwd_apply, n * parts, nt, gt, xt, _cl_flat(dx), c, parts, mu, k1, k2, k3)
+        _launch(_cl_bwd_apply, n * parts, nt, gt, xt, _cl_flat(dx), c, parts, mu, k1, k2, k3,
+                _stream_out(dx))
         dw = torch.from_numpy(dwa).view(pshape) if needs[1] else None
         db = torch.from_numpy(dba).view(pshape) if needs[2] else None
         return (dx.view(grouping.view) if needs[0] else None), dw, db
