@@ -381,13 +381,12 @@ def test_batch_norm_channels_last_expanded_grad_and_no_affine():
 
 
 STREAM_CASES = [  # op, shape, layout, streamed outputs: rows and planes longer than a
-    # prefetch piece (512), rows of odd byte length (unaligned heads and tails); BatchNorm's
-    # NCHW outputs are never streamed
+    # prefetch piece (512), rows of odd byte length (unaligned heads and tails)
     ("layer", (3, 4099), "contiguous", 2),
     ("rms", (5, 3, 777), "contiguous", 2),
     ("group", (2, 4, 47, 45), "contiguous", 2),
     ("instance", (2, 3, 2111), "contiguous", 2),
-    ("batch", (3, 5, 41, 53), "contiguous", 0),
+    ("batch", (3, 5, 41, 53), "contiguous", 2),
     ("group", (3, 12, 7, 9), "channels_last", 2),                  # one sample per thread
     ("instance", (2, 7, 33, 65), "channels_last", 2),              # (n, c) coefficients
     ("batch", (3, 5, 7, 9), "channels_last", 2),

@@ -671,7 +671,7 @@ def _units_fwd(x, y, w, b, eps, groups, fixed, mean, rstd, var, nt, ahead, lo, h
 
 
 @njit(**_JIT)
-def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
+def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, nt, lo, hi):
     """BatchNorm on contiguous NCHW, x: (N, C, S): the channels [lo, hi) in blocks of cb.
     The planes (n, c0..c0+cb) of a block lie side by side in memory, so each pass walks
     them sample by sample as one stream of cb planes (a channel alone is N planes at a
@@ -679,8 +679,7 @@ def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
     (in L1) for the first sample, in one pass shifted by the running channel mean for the
     others (``_plane_sums``), Chan-merged per channel, then the block normalized from
     L2/L3.
-    mean, rstd, var: (C,), read (fixed) or written. (y is not streamed: measured no
-    faster, 0.94-1.01 x, when the block is read back from L3.)"""
+    mean, rstd, var: (C,), read (fixed) or written; nt: stream y."""
     n_, c_, s_ = x.shape
     inv_s = _as(mean, 1.0 / s_)
     pm = np.empty(cb)                                              # channel mean - x0
@@ -706,17 +705,19 @@ def _channels_fwd(x, y, w, b, eps, cb, fixed, mean, rstd, var, lo, hi):
                 mean[c], var[c] = _ld(x[0, c], 0) + pm[c - c0], v
         for n in range(n_):                                        # block from L2/L3
             for c in range(c0, c1):
-                _plane_affine_span(x[n, c], y[n, c], _ld(x[0, c], 0), mr_[c - c0],
-                                   rstd[c] * w[c], b[c])
+                _plane_affine(x[n, c], y[n, c], _ld(x[0, c], 0), mr_[c - c0],
+                              rstd[c] * w[c], b[c], nt, x[0, 0, :0])
+    if nt:
+        _fence()
 
 
 @njit(**_JIT)
-def _channels_bwd(g, x, w, mean, rstd, cb, center, fixed, dx, sg, sgx, lo, hi):
+def _channels_bwd(g, x, w, mean, rstd, cb, center, fixed, dx, sg, sgx, nt, lo, hi):
     """BatchNorm backward on contiguous NCHW, x, g: (N, C, S): the channels [lo, hi) in
     blocks of cb, walked sample by sample as ``_channels_fwd`` does: per-plane sums of g
     and g*xhat, the channel's coefficients, then dx from L2/L3. sg[n, c] = sum(g),
-    sgx[n, c] = sum(g * xhat) over each plane (dbias and dweight before the sum over n).
-    (dx is not streamed: no faster, 0.97-1.06 x.)"""
+    sgx[n, c] = sum(g * xhat) over each plane (dbias and dweight before the sum over n);
+    nt: stream dx."""
     n_, c_, s_ = x.shape
     k1_ = np.empty(cb, dtype=mean.dtype)
     k2_ = np.empty(cb, dtype=mean.dtype)
@@ -743,8 +744,10 @@ def _channels_bwd(g, x, w, mean, rstd, cb, center, fixed, dx, sg, sgx, lo, hi):
             k2_[c - c0] = w[c] * e2 / cnt if center and not fixed else 0.0
         for n in range(n_):                                        # block from L2/L3
             for c in range(c0, c1):
-                _plane_dx_span(g[n, c], x[n, c], dx[n, c], mean[c], rstd[c], w[c],
-                               k1_[c - c0], k2_[c - c0])
+                _plane_dx(g[n, c], x[n, c], dx[n, c], mean[c], rstd[c], w[c], k1_[c - c0],
+                          k2_[c - c0], nt, g[0, 0, :0], x[0, 0, :0])
+    if nt:
+        _fence()
 
 
 @njit(**_JIT)
@@ -1249,20 +1252,22 @@ def _stream_out(t) -> bool:
     end of the op anyway, and whose memory is already mapped (``_memory.resident``: a
     block the allocator reuses). Streaming skips the read of each destination line that
     a plain store costs. A freshly mapped output is different: each page is zeroed when
-    it faults in, which leaves its lines in cache, and there streaming measured 11-25 %
-    slower than plain stores (LayerNorm and GroupNorm forward, fresh outputs under the
-    default allocator, with and without torch's huge pages), so it stores plainly.
+    it faults in, which leaves its lines in cache; there streaming through a staging
+    buffer measured 11-25 % slower than plain stores, and the fused streaming below
+    0.89-1.05 x (LayerNorm, GroupNorm, channels_last BatchNorm forward, default
+    allocator, three rounds), so such an output stores plainly.
 
-    It is used by the kernels that compute the output from data already in cache (rows,
-    NCHW units): ``python benchmarks/bench_runtime.py`` (section 3, three runs, a reused
-    output), fp32 forward as a multiple of a copy, plain -> streamed: LayerNorm 8192x4096
-    1.34-1.55 -> 1.25-1.34, GroupNorm 32x256x56x56 1.26-1.30 -> 1.20-1.29, a modest gain
-    on this VM. Everything else stores plainly, measured no faster streamed: the passes
-    that read their input from memory (BatchNorm's, channels_last BatchNorm's and the
-    channels_last backward: 0.94-1.16 x the plain time), the channels_last Group/
-    InstanceNorm forward (1.53-1.85 x a copy plain, 1.59-1.93 x streamed) and
-    half-precision outputs, whose kernels convert in registers (LayerNorm bf16 8192x4096
-    forward: 6.7 -> 8.4 ms streamed)."""
+    Every float32/float64 output of the fused kernels goes through it. Computed and
+    stored in one loop (the ``*_nt`` intrinsics), streaming pays everywhere; measured
+    through ``normkit.functional`` on 2 threads, no-mmap, three alternating runs of the
+    two versions, normkit / torch before -> with it: LayerNorm 8192x4096 forward
+    0.79-0.91 -> 0.65-0.79 and GroupNorm 32x256x56x56 forward 1.12-1.22 -> 0.79-0.91
+    (before: a chunk computed into an L1 buffer, then streamed), channels_last BatchNorm
+    forward 1.01-1.15 -> 0.76-0.80 and forward+backward 1.10-1.18 -> 0.84-0.92, NCHW
+    BatchNorm forward 1.32-1.48 -> 1.22-1.24 x a copy (before: plain stores).
+    Half-precision outputs store plainly: their kernels' pace is the conversion in
+    registers (LayerNorm bf16 8192x4096 forward 6.7 -> 8.4 ms streamed through the buffer).
+    """
     return (t.element_size() >= 4 and t.numel() * t.element_size() >= _STREAM_BYTES
             and _memory.resident(t))
 
@@ -1353,7 +1358,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
         if by_channel:
             cb = _channel_block(n * s * x.element_size())
             _launch(_channels_fwd, units, nt, _np(x3), _np(y3), _np(w), _np(b), float(eps), cb,
-                    fixed, _np(mean_u), _np(rstd_u), _np(var_u))
+                    fixed, _np(mean_u), _np(rstd_u), _np(var_u), _stream_out(y))
         else:
             _launch(_units_fwd, units, nt, _np(x3), _np(y3), _np(w), _np(b), float(eps), groups,
                     fixed, _np(mean_u), _np(rstd_u), _np(var_u), _stream_out(y),
@@ -1468,7 +1473,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         if by_channel:
             cb = _channel_block(2 * n * s * x.element_size())      # x and g
             _launch(_channels_bwd, units, nt, _np(g3), _np(x3), _np(w), _np(mean_u), _np(rstd_u),
-                    cb, bool(center), bool(fixed), _np(dx), sg, sgx)
+                    cb, bool(center), bool(fixed), _np(dx), sg, sgx, _stream_out(dx))
         else:
             _launch(_units_bwd, units, nt, _np(g3), _np(x3), _np(w), _np(mean_u), _np(rstd_u),
                     groups, bool(center), bool(fixed), _np(dx), sg, sgx, _stream_out(dx),
