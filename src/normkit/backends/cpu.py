@@ -42,10 +42,11 @@ saved x, mean and rstd. ``dweight = sum(g * xhat)`` and ``dbias = sum(g)`` are w
 per thread or per (n, c) plane and reduced afterwards, so no two iterations write the
 same memory.
 
-Large float32/float64 outputs of ``_rows_*`` and ``_units_*`` are written with
-non-temporal stores when their memory is already mapped (the ``*_nt`` intrinsics, which
-compute the output in vectors and stream each; see ``_stream_out``); everything else
-stores plainly.
+Large float32/float64 outputs of every family are written with non-temporal stores
+when their memory is already mapped (the ``*_nt`` intrinsics, which compute the output
+in vectors and stream each, the same bits as the plain loops; see ``_stream_out``);
+half-precision and small outputs store plainly. The rows and NCHW units kernels
+prefetch the row or plane about 8 KiB ahead while writing the output (``_rows_ahead``).
 
 Compiled kernels are cached on disk (``cache=True``, in ``__pycache__`` next to this
 file or ``NUMBA_CACHE_DIR``); see ``docs/performance.md`` for the first-call cost.
