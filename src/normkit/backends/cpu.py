@@ -1242,9 +1242,7 @@ def _units_ahead(itemsize, s):
     forward+backward 0.88-0.96; GroupNorm(32) forward 0.95-1.01, forward+backward
     0.92-1.00 (prefetching the whole next unit of 8 planes instead: 0.96-1.04 and
     0.98-1.09)."""
-    if itemsize < 4:
-        return 0
-    return max(1, _AHEAD_BYTES // (s * itemsize))
+    return _rows_ahead(s, itemsize)                                # a plane is a row of S
 
 
 def _stream_out(t) -> bool:
