@@ -166,6 +166,9 @@ def _gc_cases():
                              [x(4, 3, 2), *p(3)]),
         "batch_norm_eval": (lambda x, w, b: NF.batch_norm(x, rm, rv, w, b, training=False),
                             [x(4, 3, 2), *p(3)]),
+        # one sample of (N, C): no dim of the view is summed for the parameter gradients
+        "batch_norm_eval_one_sample": (lambda x, w, b: NF.batch_norm(x, rm, rv, w, b),
+                                       [x(1, 3), *p(3)]),
         "normalize": (lambda x, w, b: NF.normalize(x, (0, 2), weight=w.view(1, 3, 1),
                                                    bias=b.view(1, 3, 1)), [x(4, 3, 2), *p(3)]),
         "normalize_rms": (lambda x, w: NF.normalize(x, -1, weight=w, center=False),

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from normkit.stats import Moments, Range, merge_moments
+from normkit.stats import Moments, Range, merge_all, merge_moments, merge_rows
 
 
 def np_moments(x, w=None):
@@ -108,3 +108,40 @@ def test_kernels_match_numpy(monkeypatch, use_numba, dtype, shape):
     assert kernels.multiply_add(X, div, sub, out, clip=(-1.0, 1.0)) == 1
     ref = np.clip(X.astype(np.float64) * div + sub, -1, 1).astype(dtype)
     np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+@pytest.mark.parametrize("parts", [1, 2, 3, 5, 8])
+def test_merge_rows_equals_moments_of_the_union(parts, library):
+    """The one merge tree (chunks, threads, ranks) on NumPy arrays and torch tensors."""
+    as_array = np.asarray if library == "numpy" else pytest.importorskip("torch").from_numpy
+    rng = np.random.default_rng(parts)
+    sizes = rng.integers(0, 6, parts)
+    sizes[0] = 0                                         # a part with no samples
+    sizes[-1] += 2
+    chunks = [rng.normal(1e6, 3.0, (n, 4)) for n in sizes]
+    rows = [Moments.from_array(ch, shift=np.zeros(4)) if len(ch) else Moments.empty(4)
+            for ch in chunks]
+    count = as_array(np.array([[float(m.count[0])] for m in rows]))
+    mean = as_array(np.stack([m.mean for m in rows]))
+    m2 = as_array(np.stack([m.m2 for m in rows]))
+    n, mu, m2_all = merge_rows(count, mean, m2)
+    union = np.concatenate(chunks)
+    assert float(n[0]) == len(union)
+    np.testing.assert_allclose(np.asarray(mu), union.mean(0), rtol=1e-14)
+    np.testing.assert_allclose(np.asarray(m2_all) / len(union), union.var(0), rtol=1e-8)
+
+
+def test_merge_all_equals_sequential_merges():
+    rng = np.random.default_rng(0)
+    chunks = [rng.normal(1e9, 1.0, (n, 3)) for n in (0, 4, 7, 1, 5)]
+    parts = [Moments.from_array(c, shift=c[0] if len(c) else None) if len(c) else Moments.empty(3)
+             for c in chunks]
+    merged = merge_all(parts)
+    union = np.concatenate(chunks)
+    exact = union - 1e9                                  # exact (Sterbenz): the reference
+    np.testing.assert_allclose(merged.total_mean() - 1e9, exact.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(merged.variance(), exact.var(0), rtol=1e-9)
+    ranges = merge_all([Range.from_array(c) for c in chunks if len(c)])
+    np.testing.assert_array_equal(ranges.min, union.min(0))
+    np.testing.assert_array_equal(ranges.max, union.max(0))

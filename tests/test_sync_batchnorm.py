@@ -25,7 +25,6 @@ from torch import nn as tnn
 
 import normkit.nn as nkn
 from normkit import stats
-from normkit.distributed import merge_rank_moments
 
 TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=1e-5, rtol=1e-5)}
 
@@ -300,25 +299,6 @@ def test_distributed(world, tmp_path):
 # ---------------------------------------------------------------------------------------
 # single process
 # ---------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
-def test_merge_rank_moments_equals_moments_of_the_union(world):
-    rng = np.random.default_rng(world)
-    sizes = rng.integers(0, 6, world)
-    sizes[0] = 0                                         # a rank with no samples
-    sizes[-1] += 2
-    chunks = [rng.normal(1e6, 3.0, (n, 4)) for n in sizes]
-    rows = [stats.Moments.from_array(ch, shift=np.zeros(4)) if len(ch) else
-            stats.Moments.empty(4) for ch in chunks]
-    count = torch.tensor([[float(m.count[0])] for m in rows], dtype=torch.float64)
-    mean = torch.tensor(np.stack([m.mean for m in rows]))
-    m2 = torch.tensor(np.stack([m.m2 for m in rows]))
-    n, mu, m2_all = merge_rank_moments(count, mean, m2)
-    union = np.concatenate(chunks)
-    assert float(n) == len(union)
-    np.testing.assert_allclose(mu.numpy(), union.mean(0), rtol=1e-14)
-    np.testing.assert_allclose(m2_all.numpy() / len(union), union.var(0), rtol=1e-8)
-
 
 def _torch_and_normkit_net():
     return tnn.Sequential(tnn.Conv2d(3, 4, 3), tnn.BatchNorm2d(4, momentum=0.3, eps=1e-3),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from normkit import grouping as G
-from normkit.autograd import normalize as _normalize
+from normkit.autograd import add_norm, apply_norm
 from normkit.backends.torch_ops import stat_dtype
 
 __all__ = ["batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm", "normalize",
@@ -41,7 +41,7 @@ def _check_channels(input, **params):
     return c
 
 
-def _update_running(running, value, momentum):
+def update_running(running, value, momentum):
     """``running = (1 - momentum) * running + momentum * value`` in place, in the buffer's
     dtype (no autograd)."""
     with torch.no_grad():
@@ -89,11 +89,11 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         sdtype = stat_dtype(input.dtype)
         mean = running_mean.to(sdtype).view(grouping.stat_shape)
         rstd = torch.rsqrt(running_var.to(sdtype).view(grouping.stat_shape) + eps)
-        return _normalize(input, grouping, weight, bias, eps, True, mean, rstd)[0]
-    y, mean, var = _normalize(input, grouping, weight, bias, eps)
+        return apply_norm(input, grouping, weight, bias, eps, True, mean, rstd)[0]
+    y, mean, var = apply_norm(input, grouping, weight, bias, eps)
     if running_mean is not None and n > 0:
-        _update_running(running_mean, mean.view(c), momentum)
-        _update_running(running_var, var.view(c) * (n / (n - 1)), momentum)
+        update_running(running_mean, mean.view(c), momentum)
+        update_running(running_var, var.view(c) * (n / (n - 1)), momentum)
     return y
 
 
@@ -125,14 +125,14 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         shape = grouping.stat_shape
         mean = running_mean.to(sdtype).view(1, c, 1).expand(shape)
         rstd = torch.rsqrt(running_var.to(sdtype).view(1, c, 1) + eps).expand(shape)
-        return _normalize(input, grouping, weight, bias, eps, True, mean, rstd)[0]
+        return apply_norm(input, grouping, weight, bias, eps, True, mean, rstd)[0]
     if s == 1:
         raise ValueError(f"Expected more than 1 spatial element when training, got input size "
                          f"{input.size()}: one value per instance cannot be normalized")
-    y, mean, var = _normalize(input, grouping, weight, bias, eps)
+    y, mean, var = apply_norm(input, grouping, weight, bias, eps)
     if running_mean is not None and input.numel() > 0:
-        _update_running(running_mean, mean.view(-1, c).mean(0), momentum)
-        _update_running(running_var, (var.view(-1, c) * (s / (s - 1))).mean(0), momentum)
+        update_running(running_mean, mean.view(-1, c).mean(0), momentum)
+        update_running(running_var, (var.view(-1, c) * (s / (s - 1))).mean(0), momentum)
     return y
 
 
@@ -155,7 +155,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             f"input of shape {_size(input.shape)} and num_groups={num_groups}; choose "
             f"num_groups among the divisors of {c}")
     _check_channels(input, weight=weight, bias=bias)
-    return _normalize(input, G.group(input.shape, num_groups), weight, bias, eps)[0]
+    return apply_norm(input, G.group(input.shape, num_groups), weight, bias, eps)[0]
 
 
 def _check_normalized_shape(input, normalized_shape, weight, bias, op):
@@ -189,7 +189,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         tensor([[-0.2675,  1.4464, -1.1036,  0.8611, -0.9364]])
     """
     shape = _check_normalized_shape(input, normalized_shape, weight, bias, "layer_norm")
-    return _normalize(input, G.layer(input.shape, len(shape)), weight, bias, eps)[0]
+    return apply_norm(input, G.layer(input.shape, len(shape)), weight, bias, eps)[0]
 
 
 def rms_norm(input, normalized_shape, weight=None, eps=None):
@@ -202,7 +202,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     shape = _check_normalized_shape(input, normalized_shape, weight, None, "rms_norm")
     if eps is None:
         eps = torch.finfo(input.dtype).eps
-    return _normalize(input, G.layer(input.shape, len(shape)), weight, None, eps, False)[0]
+    return apply_norm(input, G.layer(input.shape, len(shape)), weight, None, eps, False)[0]
 
 
 def normalize(x, dims, eps=1e-5, weight=None, bias=None, center=True):
@@ -240,7 +240,7 @@ def normalize(x, dims, eps=1e-5, weight=None, bias=None, center=True):
             if p.dim() > x.dim() or torch.broadcast_shapes(p.shape, x.shape) != x.shape:
                 raise ValueError(f"{name} of shape {_size(p.shape)} would enlarge the input "
                                  f"of shape {_size(x.shape)}; give it at most x's shape")
-    return _normalize(x, G.dims(x.shape, dims), weight, bias, eps, center)[0]
+    return apply_norm(x, G.dims(x.shape, dims), weight, bias, eps, center)[0]
 
 
 def batch_renorm(input, running_mean, running_var, weight=None, bias=None, training=False,
@@ -304,10 +304,10 @@ def batch_renorm(input, running_mean, running_var, weight=None, bias=None, train
     b_eff = d if weight is None else weight.to(sdtype) * d         # gamma * d
     if bias is not None:
         b_eff = b_eff + bias.to(sdtype)                            # gamma * d + beta
-    y, mean, var = _normalize(input, grouping, w_eff, b_eff, eps)
+    y, mean, var = apply_norm(input, grouping, w_eff, b_eff, eps)
     if n > 0:
-        _update_running(running_mean, mean.view(c), momentum)
-        _update_running(running_var, var.view(c) * (n / (n - 1)), momentum)
+        update_running(running_mean, mean.view(c), momentum)
+        update_running(running_var, var.view(c) * (n / (n - 1)), momentum)
     return y
 
 
@@ -354,7 +354,6 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
     """
     _check_residual(x, residual, "add_layer_norm")
     shape = _check_normalized_shape(x, normalized_shape, weight, bias, "add_layer_norm")
-    from normkit.fused import add_norm
     return add_norm(x, residual, len(shape), weight, bias, eps, True, memory_saving)
 
 
@@ -377,5 +376,4 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, memory
     shape = _check_normalized_shape(x, normalized_shape, weight, None, "add_rms_norm")
     if eps is None:
         eps = torch.finfo(x.dtype).eps
-    from normkit.fused import add_norm
     return add_norm(x, residual, len(shape), weight, None, eps, False, memory_saving)

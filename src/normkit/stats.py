@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Moments", "Range", "merge_moments"]
+__all__ = ["Moments", "Range", "merge_moments", "merge_rows", "merge_all"]
 
 
 def merge_moments(count_old, mean_old, m2_old, count_new, mean_new, m2_new):
@@ -54,6 +54,48 @@ def merge_moments(count_old, mean_old, m2_old, count_new, mean_new, m2_new):
     mean = mean_old + delta * frac_new
     m2 = m2_old + m2_new + delta * delta * count_old * frac_new
     return count, mean, m2
+
+
+def merge_rows(count, mean, m2):
+    """Merge moments stacked along dim 0 into the moments of their union.
+
+    ``count`` has shape ``(P, 1)`` or ``(P, G)``, ``mean`` and ``m2`` ``(P, G)``: ``P``
+    partial statistics (chunks, threads, ranks) of ``G`` groups. Merged pairwise in a tree
+    of ``ceil(log2 P)`` vectorized steps (row ``i`` with row ``i + P // 2``), so rounding
+    grows with ``log P``, not ``P``; an odd row out of a step is carried and merged at the
+    end. Only slicing and arithmetic: NumPy arrays and torch tensors alike. Returns the
+    rows ``(count[0], mean[0], m2[0])`` of the union.
+    """
+    carried = []
+    while count.shape[0] > 1:
+        half = count.shape[0] // 2
+        if count.shape[0] % 2:
+            carried.append((count[-1:], mean[-1:], m2[-1:]))
+        lo, hi = slice(0, half), slice(half, 2 * half)
+        count, mean, m2 = merge_moments(count[lo], mean[lo], m2[lo], count[hi], mean[hi], m2[hi])
+    for part in reversed(carried):
+        count, mean, m2 = merge_moments(count, mean, m2, *part)
+    return count[0], mean[0], m2[0]
+
+
+def merge_all(parts):
+    """Merge a non-empty list of ``Moments`` (of the same groups) or of ``Range`` into one.
+
+    Moments are first brought to a common shift (the first part's, per group, where it has
+    data), then merged by ``merge_rows``; ranges take the NaN-ignoring min and max.
+    """
+    first = parts[0]
+    if isinstance(first, Range):
+        return Range(np.fmin.reduce([p.min for p in parts]), np.fmax.reduce([p.max for p in parts]))
+    shift, seen = first.shift, np.asarray(first.count) > 0
+    for p in parts[1:]:                     # a group empty so far takes the next part's shift
+        shift = np.where(seen, shift, p.shift)
+        seen = seen | (np.asarray(p.count) > 0)
+    parts = [p.with_shift(shift) for p in parts]
+    shape = np.shape(first.mean)
+    count, mean, m2 = (np.stack([np.broadcast_to(np.asarray(getattr(p, f), dtype=np.float64), shape)
+                                 for p in parts]) for f in ("count", "mean", "m2"))
+    return Moments(*merge_rows(count, mean, m2), shift)
 
 
 @dataclass(frozen=True)
@@ -124,6 +166,13 @@ class Moments:
         mean = mean + resid / safe
         return cls(count.astype(np.float64), mean, m2, shift)
 
+    def with_shift(self, shift) -> "Moments":
+        """The same moments kept relative to another ``shift`` (``mean`` moves by the
+        difference; ``count`` and ``m2`` do not change). Empty groups get mean 0, so that
+        they stay exact no-ops of a merge whatever the shifts."""
+        mean = np.where(np.asarray(self.count) > 0, self.mean + (self.shift - shift), 0.0)
+        return Moments(self.count, mean, self.m2, shift)
+
     def merge(self, other: "Moments") -> "Moments":
         """Return the moments of the union of both sets (Chan et al.).
 
@@ -132,11 +181,8 @@ class Moments:
         throw away the shift that keeps large offsets exact.
         """
         shift = np.where(np.asarray(self.count) == 0, other.shift, self.shift)
-        self_mean = self.mean + (self.shift - shift)
-        other_mean = other.mean + (other.shift - shift)
-        count, mean, m2 = merge_moments(self.count, self_mean, self.m2,
-                                        other.count, other_mean, other.m2)
-        return Moments(count, mean, m2, shift)
+        a, b = self.with_shift(shift), other.with_shift(shift)
+        return Moments(*merge_moments(a.count, a.mean, a.m2, b.count, b.mean, b.m2), shift)
 
     def total_mean(self):
         """The mean of the data (``shift + mean``)."""

@@ -17,6 +17,10 @@ described by a ``normkit.grouping.Grouping``:
     ``grouping.param_reduce`` with those dims kept (for the ``dims`` grouping: not summed;
     the caller sums to the parameter's size).
 
+``moments(x, grouping) -> (mean, var)`` (optional)
+    The statistics alone (SyncBatchNorm merges them across processes before it
+    normalizes); a backend without it leaves them to ``torch_ops``.
+
 Backends are tried in order; ``torch_ops`` (a composite of torch ops, any device) always
 supports everything and is the fallback.
 """
@@ -51,6 +55,12 @@ def select(x, grouping, center=True, fixed=False):
         if backend.supports(x, grouping, center, fixed):
             return backend
     return torch_ops
+
+
+def moments(x, grouping):
+    """Per-group ``(mean, biased var)`` of the view ``x`` in the statistics dtype, on the
+    backend that runs this grouping (``torch_ops`` where it has no moments of its own)."""
+    return getattr(select(x, grouping), "moments", torch_ops.moments)(x, grouping)
 
 
 # the memory-saving backward of the residual-add norms (normkit.functional.add_layer_norm,

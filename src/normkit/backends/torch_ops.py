@@ -44,6 +44,13 @@ def compute_stats(xs, grouping, eps, center):
     return mean, var, torch.rsqrt(var + eps)
 
 
+def moments(x, grouping):
+    """``(mean, var)`` of each group of the view ``x``: biased variance, stat dtype,
+    shaped ``grouping.stat_shape`` (zeros for an empty input)."""
+    mean, var, _ = compute_stats(x.to(stat_dtype(x.dtype)), grouping, 0.0, True)
+    return mean, var
+
+
 def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
     sdtype = stat_dtype(x.dtype)
     xs = x.to(sdtype)                                             # view shape
@@ -59,12 +66,29 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
     return y.to(x.dtype), mean, rstd, var
 
 
-def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
-    """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)); dw = sum(g * xhat);
-    db = sum(g). With fixed statistics, dx = rstd * dxhat."""
+def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs, *, xhat=None,
+             reduce_sums=None):
+    r"""The hand-derived gradient of ``y = w * xhat + b``, ``xhat = (x - mean) * rstd``:
+
+    .. math:: dx = \mathrm{rstd}\,(\hat g - c_2 - \hat x\, c_1), \quad
+              c_1 = \mathrm{mean}(\hat g\,\hat x),\; c_2 = \mathrm{mean}(\hat g),\;
+              \hat g = g \cdot w
+
+    over each group (``c2 = 0`` without centering; ``dx = rstd * dxhat`` for fixed
+    statistics), ``dw = sum(g * xhat)``, ``db = sum(g)`` over the parameter's broadcast dims.
+
+    The two variations the callers need:
+
+    * ``xhat`` given: use it instead of recomputing ``(x - mean) * rstd`` (the memory-saving
+      add-norm recovers it from the output; ``x`` is then only a shape/dtype template);
+    * ``reduce_sums(sum_g, sum_gx) -> (c2, c1)``: turns this process's per-group sums of
+      ``dxhat`` and ``dxhat * xhat`` into the two means (SyncBatchNorm all-reduces them and
+      divides by the global count). Default: divide by the local group size.
+    """
     sdtype = mean.dtype
     g = grad.to(sdtype)                                           # view shape
-    xhat = (x.to(sdtype) - mean) * rstd                           # recomputed
+    if xhat is None:
+        xhat = (x.to(sdtype) - mean) * rstd                       # recomputed
     dx = dw = db = None
     if needs[0]:
         w = _param(weight, grouping, sdtype)
@@ -73,10 +97,15 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
             dx = dxhat * rstd
         else:
             red = grouping.reduce
-            c1 = (dxhat * xhat).mean(dim=red, keepdim=True)       # variance path
+            if reduce_sums is None:
+                c1 = (dxhat * xhat).mean(dim=red, keepdim=True)   # variance path
+                c2 = dxhat.mean(dim=red, keepdim=True) if center else None  # mean path
+            else:
+                c2, c1 = reduce_sums(dxhat.sum(dim=red, keepdim=True),
+                                     (dxhat * xhat).sum(dim=red, keepdim=True))
             dx = dxhat - xhat * c1
             if center:
-                dx = dx - dxhat.mean(dim=red, keepdim=True)       # mean path
+                dx = dx - c2
             dx = dx * rstd
         dx = dx.to(x.dtype)
     if needs[1]:
@@ -89,6 +118,6 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
 def _param_sum(t, grouping):
     """Sum over the dims a parameter is broadcast along (kept as size 1); for the
     ``dims`` grouping, whose parameters broadcast as given, the caller sums to size."""
-    if grouping.param_view is None:
-        return t
+    if grouping.param_view is None or not grouping.param_reduce:
+        return t                            # (torch's sum over dim=() would sum everything)
     return t.sum(dim=grouping.param_reduce, keepdim=True)

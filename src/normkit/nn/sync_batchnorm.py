@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from normkit import functional as F
-from normkit.distributed import sync_batch_norm
+from normkit.nn._sync import sync_batch_norm
 from normkit.nn.batch_renorm import _BatchRenorm
 from normkit.nn.batchnorm import _BatchNorm
 
@@ -26,7 +26,7 @@ class SyncBatchNorm(_BatchNorm):
     positions of the inputs of *all* ranks of ``process_group``, exactly as a
     single-process BatchNorm over their concatenation: each rank's ``(count, mean, M2)``
     is all-gathered and merged with the Chan update (``normkit.stats.merge_moments``),
-    and the two reductions of the backward are all-reduced (see ``normkit.distributed``).
+    and the two reductions of the backward are all-reduced (see ``normkit.nn._sync``).
     Ranks may hold different batch sizes, zero included. The running estimates are
     updated with the global mean and the global *unbiased* variance, the same on every
     rank. In eval the running estimates normalize and nothing is communicated.

@@ -3,7 +3,7 @@
 ``StandardScaler`` and ``MinMaxScaler`` are drop-ins for scikit-learn's (fit, partial_fit,
 transform, inverse_transform, set_output, the same fitted attributes) that compute their
 statistics in one pass with float64 accumulators, keep float32 data float32, fit Dask
-collections (``normkit.dask``), and save to readable JSON. ``standard_score`` and
+collections (``preprocessing._dask``), and save to readable JSON. ``standard_score`` and
 ``min_max_scale`` are their function twins. Requires scikit-learn (extra ``sklearn``);
 numba (extra ``fast``) makes them multi-threaded.
 """

@@ -18,7 +18,7 @@ threads share. Inside a chunk the rows are read in blocks small enough to stay i
 block's statistics come from the corrected two-pass formula (pass one: the block mean; pass
 two: squared deviations from it, plus the residual sum that cancels pass one's rounding),
 then the block is folded into the chunk with the Chan merge. The chunks are finally merged
-by ``normkit.stats.merge_moments`` in a pairwise tree. The chunk size does not depend on the
+by ``normkit.stats.merge_rows`` (a pairwise tree). The chunk size does not depend on the
 number of threads, so results are the same bit for bit whatever the thread count.
 
 The NumPy path walks the same row blocks with ``Moments.from_array`` and ``Moments.merge``;
@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from normkit.stats import Moments, Range, merge_moments
+from normkit.stats import Moments, Range, merge_rows
 
 try:  # the optional extra ``fast``
     import numba
@@ -201,20 +201,6 @@ if numba is not None:
 
 
 # --------------------------------------------------------------------------- front ends
-def _merge_tree(count, mean, m2):
-    """Pairwise Chan merge of per-chunk rows ``(n_chunks, p)`` down to one row."""
-    while count.shape[0] > 1:
-        half = count.shape[0] // 2
-        c, m, q = merge_moments(count[:half], mean[:half], m2[:half],
-                                count[half:2 * half], mean[half:2 * half], m2[half:2 * half])
-        if count.shape[0] % 2:
-            c = np.concatenate([c, count[-1:]])
-            m = np.concatenate([m, mean[-1:]])
-            q = np.concatenate([q, m2[-1:]])
-        count, mean, m2 = c, m, q
-    return count[0], mean[0], m2[0]
-
-
 def column_moments(X, shift, weights=None) -> Moments:
     """Moments of each column of the 2-D float array ``X`` relative to ``shift``.
 
@@ -232,7 +218,7 @@ def column_moments(X, shift, weights=None) -> Moments:
         with _threads_for(X):
             cnt, mean, m2 = _moments_nb(X, shift, w, has_w, CHUNK_ROWS,
                                         _block_rows(p, X.dtype.itemsize))
-        count, mean, m2 = _merge_tree(cnt, mean, m2)
+        count, mean, m2 = merge_rows(cnt, mean, m2)
         return Moments(count, mean, m2, shift)
     total = None
     for b0 in range(0, n, NUMPY_BLOCK_ROWS):

@@ -35,39 +35,13 @@ from sklearn.base import BaseEstimator, OneToOneFeatureMixin, TransformerMixin
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
 from normkit.preprocessing import _kernels, _persist
+from normkit.preprocessing._columns import first_finite, is_dask, non_numeric_columns
 from normkit.stats import Moments, Range
 
 __all__ = ["MinMaxScaler", "StandardScaler", "min_max_scale", "standard_score"]
 
 _FLOAT_DTYPES = (np.float64, np.float32)
 _EPS = np.finfo(np.float64).eps
-#: rows scanned for each feature's first finite value (the shift); 0 beyond that
-_SHIFT_SCAN_ROWS = 4096
-
-
-def _is_dask(X) -> bool:
-    return callable(getattr(X, "__dask_graph__", None))
-
-
-def _non_numeric_columns(X):
-    """Names of the non-numeric columns of a pandas or polars frame, else ``[]``."""
-    dtypes = getattr(X, "dtypes", None)
-    columns = getattr(X, "columns", None)
-    if dtypes is None or columns is None:
-        return []
-    names = []
-    for name, dt in zip(columns, list(dtypes)):
-        is_numeric = getattr(dt, "is_numeric", None)
-        if callable(is_numeric):  # polars
-            ok = is_numeric()
-        else:
-            try:
-                ok = np.dtype(dt).kind in "biuf"
-            except TypeError:  # pandas extension dtypes
-                ok = getattr(dt, "_is_numeric", False)
-        if not ok:
-            names.append(str(name))
-    return names
 
 
 def _validate(est, X, *, reset, in_place=False):
@@ -79,7 +53,7 @@ def _validate(est, X, *, reset, in_place=False):
         text = str(exc)
         if not any(s in text for s in ("could not convert", "argument must be", "Unable to convert")):
             raise
-        bad = _non_numeric_columns(X)
+        bad = non_numeric_columns(X)
         where = f" (non-numeric columns: {bad})" if bad else ""
         raise type(exc)(
             f"{type(est).__name__} needs numeric input{where}: {text}. Select the numeric "
@@ -94,23 +68,6 @@ def _raise_inf(est, n_inf, where):
         f"{type(est).__name__} ignores NaN but cannot scale infinite values. Replace them, e.g. "
         "X[np.isinf(X)] = np.nan (NaN is ignored in fit and kept in transform)."
     )
-
-
-def _first_finite(X):
-    """Each column's first finite value among the first rows (float64; 0 where none)."""
-    n, p = X.shape
-    shift = np.zeros(p)
-    todo = np.arange(p)
-    for b0 in range(0, min(n, _SHIFT_SCAN_ROWS), 256):
-        blk = np.asarray(X[b0:b0 + 256][:, todo], dtype=np.float64)
-        ok = np.isfinite(blk)
-        found = ok.any(axis=0)
-        rows = ok.argmax(axis=0)
-        shift[todo[found]] = blk[rows[found], np.flatnonzero(found)]
-        todo = todo[~found]
-        if not todo.size:
-            break
-    return shift
 
 
 def _out_array(est, X, copy):
@@ -211,10 +168,15 @@ class StandardScaler(_ScalerBase):
 
     def partial_fit(self, X, y=None, sample_weight=None):
         """Merge the statistics of the batch ``X`` into those seen so far."""
-        if _is_dask(X):
-            from normkit.dask import partial_fit
+        if is_dask(X):
+            from normkit.preprocessing import _dask
 
-            return partial_fit(self, X, sample_weight)
+            moments = _dask.fit_moments(self, X, sample_weight)
+            old = getattr(self, "_moments", None)
+            if old is not None:  # continue in the shift of the statistics seen so far
+                moments = moments.with_shift(np.where(old.count > 0, old.shift, moments.shift))
+            self._update_moments(moments, sample_weight is not None, "fit")
+            return self
         first = not hasattr(self, "n_samples_seen_")
         X = _validate(self, X, reset=first)
         weights = None
@@ -226,7 +188,7 @@ class StandardScaler(_ScalerBase):
     # -- statistics --------------------------------------------------------------------
     def _batch_moments(self, X, weights):
         """Moments of one validated batch, in the shift of the statistics seen so far."""
-        shift = _first_finite(X)
+        shift = first_finite(X)
         old = getattr(self, "_moments", None)
         if old is not None:
             shift = np.where(old.count > 0, old.shift, shift)
@@ -275,10 +237,10 @@ class StandardScaler(_ScalerBase):
     def transform(self, X, copy=None):
         """``(X - mean_) / scale_``; NaN stays NaN. Dask collections transform lazily."""
         check_is_fitted(self)
-        if _is_dask(X):
-            from normkit.dask import transform
+        if is_dask(X):
+            from normkit.preprocessing import _dask
 
-            return transform(self, X, inverse=False)
+            return _dask.transform(self, X, inverse=False)
         copy = self.copy if copy is None else copy
         X = _validate(self, X, reset=False, in_place=not copy)
         return self._apply(X, _out_array(self, X, copy), inverse=False)
@@ -286,10 +248,10 @@ class StandardScaler(_ScalerBase):
     def inverse_transform(self, X, copy=None):
         """``X * scale_ + mean_``: back to the original units."""
         check_is_fitted(self)
-        if _is_dask(X):
-            from normkit.dask import transform
+        if is_dask(X):
+            from normkit.preprocessing import _dask
 
-            return transform(self, X, inverse=True)
+            return _dask.transform(self, X, inverse=True)
         copy = self.copy if copy is None else copy
         X = _validate(self, X, reset=False, in_place=not copy)
         return self._apply(X, _out_array(self, X, copy), inverse=True)
@@ -400,10 +362,11 @@ class MinMaxScaler(_ScalerBase):
     def partial_fit(self, X, y=None):
         """Merge the minimum and maximum of the batch ``X`` into those seen so far."""
         self._range_bounds()
-        if _is_dask(X):
-            from normkit.dask import partial_fit
+        if is_dask(X):
+            from normkit.preprocessing import _dask
 
-            return partial_fit(self, X, None)
+            self._update_range(*_dask.fit_range(self, X), "fit")
+            return self
         first = not hasattr(self, "n_samples_seen_")
         X = _validate(self, X, reset=first)
         self._update_range(_kernels.column_range(X), X.shape[0], "fit")
@@ -433,20 +396,20 @@ class MinMaxScaler(_ScalerBase):
     def transform(self, X):
         """``X * scale_ + min_`` (clipped to ``feature_range`` when ``clip``)."""
         check_is_fitted(self)
-        if _is_dask(X):
-            from normkit.dask import transform
+        if is_dask(X):
+            from normkit.preprocessing import _dask
 
-            return transform(self, X, inverse=False)
+            return _dask.transform(self, X, inverse=False)
         X = _validate(self, X, reset=False, in_place=not self.copy)
         return self._apply(X, _out_array(self, X, self.copy), inverse=False)
 
     def inverse_transform(self, X):
         """``(X - min_) / scale_``: back to the original units."""
         check_is_fitted(self)
-        if _is_dask(X):
-            from normkit.dask import transform
+        if is_dask(X):
+            from normkit.preprocessing import _dask
 
-            return transform(self, X, inverse=True)
+            return _dask.transform(self, X, inverse=True)
         X = _validate(self, X, reset=False, in_place=not self.copy)
         return self._apply(X, _out_array(self, X, self.copy), inverse=True)
 

@@ -8,7 +8,7 @@ nccl on CUDA, ...):
 Forward: one all-gather of the per-rank moments
     Each rank packs ``(n_r, mean_r, m2_r)`` (``m2 = sum((x - mean)**2)``, per channel) into
     one float64 vector of ``1 + 2C`` numbers. After the all-gather every rank merges the
-    ``W`` triples with ``normkit.stats.merge_moments`` (Chan, Golub & LeVeque), pairwise in
+    ``W`` triples with ``normkit.stats.merge_rows`` (Chan, Golub & LeVeque), pairwise in
     a tree of ``ceil(log2 W)`` vectorized steps. Moments rather than sums: ranks with very
     different means merge without the cancellation of ``E[x**2] - E[x]**2``, and a rank
     with ``n_r = 0`` is an exact no-op of the merge. An all-reduce of sums cannot carry
@@ -33,6 +33,11 @@ Backward: one all-reduce of the two reductions
 
 Saved for backward: the input, the weight, the global ``mean`` and ``rstd`` (fp32; fp64
 for fp64 inputs) and the global count. ``xhat`` is recomputed.
+
+Both directions go through normkit's dispatch: the local moments and the normalization
+with the global statistics run on the backend ``normkit.backends.select`` picks (the fused
+numba kernels on CPU), and the backward is ``normkit.backends.torch_ops.backward`` -- the
+one formula of every norm -- with the two sums all-reduced in the middle.
 """
 
 from __future__ import annotations
@@ -41,33 +46,16 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from normkit import backends
 from normkit import grouping as G
-from normkit.autograd import _view
+from normkit.autograd import view_as
 from normkit.backends import torch_ops
-from normkit.functional import _update_running
-from normkit.stats import merge_moments
+from normkit.functional import update_running
+from normkit.stats import merge_rows
 
-__all__ = ["gather_moments", "merge_rank_moments", "sync_batch_norm", "SyncBatchNormFunction"]
+__all__ = ["gather_moments", "sync_batch_norm", "SyncBatchNormFunction"]
 
 _COMM_DTYPE = torch.float64
-
-
-def merge_rank_moments(count, mean, m2):
-    """Merge per-rank moments stacked along dim 0 into the moments of their union.
-
-    ``count`` has shape ``(W, 1)``, ``mean`` and ``m2`` ``(W, C)``. Rows are merged in
-    pairs with ``normkit.stats.merge_moments`` (row ``i`` with row ``i + W // 2``) until
-    one is left; an odd row out waits for the next round. Returns ``(count, mean, m2)``
-    of shapes ``(1,)``, ``(C,)``, ``(C,)``.
-    """
-    while count.shape[0] > 1:
-        half = count.shape[0] // 2
-        lo, hi = slice(0, half), slice(half, 2 * half)
-        merged = merge_moments(count[lo], mean[lo], m2[lo], count[hi], mean[hi], m2[hi])
-        if count.shape[0] % 2:                                  # odd row out: carry it
-            merged = tuple(torch.cat([t, src[-1:]]) for t, src in zip(merged, (count, mean, m2)))
-        count, mean, m2 = merged
-    return count[0], mean[0], m2[0]
 
 
 def gather_moments(count, mean, m2, process_group, world_size):
@@ -80,7 +68,7 @@ def gather_moments(count, mean, m2, process_group, world_size):
     parts = [torch.empty_like(packed) for _ in range(world_size)]
     dist.all_gather(parts, packed, group=process_group)
     table = torch.stack(parts)                                          # W, 1 + 2C
-    n, mean_all, m2_all = merge_rank_moments(table[:, :1], table[:, 1:1 + c], table[:, 1 + c:])
+    n, mean_all, m2_all = merge_rows(table[:, :1], table[:, 1:1 + c], table[:, 1 + c:])
     return float(n), mean_all, m2_all
 
 
@@ -97,58 +85,50 @@ class SyncBatchNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum,
                 process_group, world_size):
         grouping = G.batch(x.shape)
-        c = x.shape[1]
-        sdtype = torch_ops.stat_dtype(x.dtype)
-        xv = _view(x, grouping.view)                                    # N, C, S
+        xv = view_as(x, grouping.view)                                  # N, C, S
         n_local = grouping.group_size
-        if n_local > 0:
-            var, mean = torch.var_mean(xv.to(sdtype), dim=grouping.reduce, correction=0)  # C
-            m2 = var * n_local
-        else:                                  # no samples here: an exact no-op of the merge
-            mean = m2 = torch.zeros(c, dtype=sdtype, device=x.device)
-        n, mean64, m264 = gather_moments(n_local, mean, m2, process_group, world_size)
+        mean, var = backends.moments(xv, grouping)                      # 1, C, 1 each
+        # a rank with no samples has zero moments: an exact no-op of the merge
+        n, mean64, m264 = gather_moments(n_local, mean.reshape(-1), var.reshape(-1) * n_local,
+                                         process_group, world_size)
         if n <= 1:
             raise ValueError(
                 f"Expected more than 1 value per channel across all ranks when training, got "
                 f"{n:.0f} in total (input size on this rank {list(x.shape)}); use larger "
                 f"batches, eval mode, or a batch-independent norm (GroupNorm, LayerNorm)")
         var64 = m264 / n                                                # biased, C
-        mean = mean64.to(sdtype).view(grouping.stat_shape)              # 1, C, 1
-        rstd = torch.rsqrt(var64 + eps).to(sdtype).view(grouping.stat_shape)
-        y, _, _, _ = torch_ops.forward(xv, grouping, weight, bias, eps, True, mean, rstd)
+        mean = mean64.to(var.dtype).view(grouping.stat_shape)           # 1, C, 1
+        rstd = torch.rsqrt(var64 + eps).to(var.dtype).view(grouping.stat_shape)
+        backend = backends.select(xv, grouping, True, True)
+        y, _, _, _ = backend.forward(xv, grouping, weight, bias, eps, True, mean, rstd)
         if running_mean is not None:
-            _update_running(running_mean, mean64, momentum)
-            _update_running(running_var, var64 * (n / (n - 1)), momentum)
+            update_running(running_mean, mean64, momentum)
+            update_running(running_var, var64 * (n / (n - 1)), momentum)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.count, ctx.process_group = n, process_group
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return _view(y, x.shape)
+        return view_as(y, x.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
         x, weight, mean, rstd = ctx.saved_tensors
         grouping = G.batch(x.shape)
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        sdtype = mean.dtype
-        g = grad_y.reshape(grouping.view).to(sdtype)                    # N, C, S
-        xhat = (_view(x, grouping.view).to(sdtype) - mean) * rstd        # N, C, S, recomputed
-        red = grouping.reduce
-        dx = dw = db = None
-        if need_dx:
-            w = torch_ops._param(weight, grouping, sdtype)              # 1, C, 1
-            dxhat = g if w is None else g * w                           # N, C, S
-            # the two reductions of the backward, local sums, then summed over the ranks
-            sums = torch.cat([dxhat.sum(dim=red), (dxhat * xhat).sum(dim=red)])  # 2C
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1] and weight is not None,
+                 ctx.needs_input_grad[2] and ctx.bias_dtype is not None)
+
+        def global_means(sum_g, sum_gx):
+            # the two reductions of the backward: local sums, summed over the ranks
+            sums = torch.cat([sum_g.reshape(-1), sum_gx.reshape(-1)])   # 2C
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.process_group)
-            c2, c1 = (s.view(grouping.stat_shape) / ctx.count for s in sums.chunk(2))
-            # term 1: direct path; term 2: through the mean; term 3: through the variance
-            dx = ((dxhat - c2 - xhat * c1) * rstd).to(x.dtype)
-            dx = _view(dx, x.shape)
-        if need_dw and weight is not None:
-            dw = (g * xhat).sum(dim=red).to(weight.dtype)               # this rank's share
-        if need_db and ctx.bias_dtype is not None:
-            db = g.sum(dim=red).to(ctx.bias_dtype)
+            return (s.view(grouping.stat_shape) / ctx.count for s in sums.chunk(2))
+
+        dx, dw, db = torch_ops.backward(view_as(grad_y, grouping.view), view_as(x, grouping.view),
+                                        mean, rstd, weight, grouping, True, False, needs,
+                                        reduce_sums=global_means)
+        dx = None if dx is None else view_as(dx, x.shape)
+        dw = None if dw is None else dw.reshape(-1).to(weight.dtype)     # this rank's share
+        db = None if db is None else db.reshape(-1).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None, None
 
 

@@ -3,12 +3,13 @@
 Fitting is the map-reduce the statistics core was built for: every block (a row-chunk of
 the array, or a partition of the DataFrame) computes its partial statistics where it lives
 -- ``Moments`` for StandardScaler, ``Range`` plus a row count for MinMaxScaler -- and the
-partials are merged pairwise in a tree with the same Chan rule as ``partial_fit``. Only
+partials are merged by ``normkit.stats.merge_all`` (a pairwise Chan tree, as everywhere). Only
 those small per-feature vectors travel; the data is read once. Transforms are lazy:
 ``map_blocks`` / ``map_partitions`` with the fitted scaler.
 
 You do not call this module directly: ``StandardScaler().fit(dask_array)`` and
-``scaler.transform(dask_dataframe)`` dispatch here. Requires the extra ``dask``.
+``scaler.transform(dask_dataframe)`` dispatch here, and the estimator merges what
+``fit_moments`` / ``fit_range`` return into its own statistics. Requires the extra ``dask``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import dask
 import dask.array as da
 
 from normkit.preprocessing import _kernels
-from normkit.stats import Moments, Range
+from normkit.preprocessing._columns import first_finite, non_numeric_columns
+from normkit.stats import merge_all
 
-__all__ = ["partial_fit", "transform"]
+__all__ = ["fit_moments", "fit_range", "transform"]
 
 
 def _is_frame(X) -> bool:
@@ -38,22 +40,9 @@ def _float_block(block):
 
 
 def _block_moments(block, weights):
-    from normkit.preprocessing._scalers import _first_finite
-
     X = _float_block(block)
     w = None if weights is None else np.asarray(weights, dtype=np.float64)
-    return _kernels.column_moments(X, _first_finite(X), w)
-
-
-def _merge_moments(a: Moments, b: Moments) -> Moments:
-    # an empty side must not impose its shift (0) on the other
-    if not np.any(a.count):
-        return b
-    if not np.any(b.count):
-        return a
-    shift = np.where(a.count > 0, a.shift, b.shift)
-    a = Moments(a.count, a.mean + (a.shift - shift), a.m2, shift)
-    return a.merge(b)
+    return _kernels.column_moments(X, first_finite(X), w)
 
 
 def _block_range(block):
@@ -61,24 +50,11 @@ def _block_range(block):
     return _kernels.column_range(X), X.shape[0]
 
 
-def _merge_range(a, b):
-    return a[0].merge(b[0]), a[1] + b[1]
-
-
-def _tree(parts, merge):
-    merge = dask.delayed(merge, pure=True)
-    while len(parts) > 1:
-        pairs = [merge(parts[i], parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
-        parts = pairs + ([parts[-1]] if len(parts) % 2 else [])
-    return parts[0]
-
-
 def _blocks(est, X):
     """Check the collection's columns; return ``(delayed blocks, n_features, names)``."""
-    from normkit.preprocessing._scalers import _non_numeric_columns
 
     if _is_frame(X):
-        bad = _non_numeric_columns(X._meta)
+        bad = non_numeric_columns(X._meta)
         if bad:
             raise ValueError(
                 f"{type(est).__name__} needs numeric input (non-numeric columns: {bad}). Select the "
@@ -112,21 +88,25 @@ def _check_features(est, n_features, names, reset):
                          f"names {list(fitted)}; select the columns in the fitted order.")
 
 
-def partial_fit(est, X, sample_weight=None):
-    """Merge the statistics of the Dask collection ``X`` into ``est`` (one pass over X)."""
-    from normkit.preprocessing import MinMaxScaler
-
+def _start(est, X):
     blocks, n_features, names = _blocks(est, X)
-    first = not hasattr(est, "n_samples_seen_")
-    _check_features(est, n_features, names, reset=first)
-    if isinstance(est, MinMaxScaler):
-        if sample_weight is not None:
-            raise TypeError("MinMaxScaler does not take sample_weight.")
-        parts = [dask.delayed(_block_range, pure=True)(b) for b in blocks]
-        rng, n_rows = dask.compute(_tree(parts, _merge_range))[0]
-        est._update_range(rng, n_rows, "fit")
-        return est
+    _check_features(est, n_features, names, reset=not hasattr(est, "n_samples_seen_"))
+    return blocks
 
+
+def _range_and_rows(parts):
+    return merge_all([r for r, _ in parts]), sum(n for _, n in parts)
+
+
+def fit_range(est, X):
+    """``(Range, n_rows)`` of the Dask collection ``X`` (one pass over X), for MinMaxScaler."""
+    parts = [dask.delayed(_block_range, pure=True)(b) for b in _start(est, X)]
+    return dask.compute(dask.delayed(_range_and_rows, pure=True)(parts))[0]
+
+
+def fit_moments(est, X, sample_weight=None):
+    """``Moments`` of the Dask collection ``X`` (one pass over X), for StandardScaler."""
+    blocks = _start(est, X)
     weights = [None] * len(blocks)
     if sample_weight is not None:
         w = sample_weight
@@ -144,13 +124,7 @@ def partial_fit(est, X, sample_weight=None):
                                  "weight per row of X.")
             weights = list(w.rechunk((X.chunks[0],)).to_delayed().ravel())
     parts = [dask.delayed(_block_moments, pure=True)(b, w) for b, w in zip(blocks, weights)]
-    moments = dask.compute(_tree(parts, _merge_moments))[0]
-    if getattr(est, "_moments", None) is not None:  # continue in the estimator's shift
-        old = est._moments
-        shift = np.where(old.count > 0, old.shift, moments.shift)
-        moments = Moments(moments.count, moments.mean + (moments.shift - shift), moments.m2, shift)
-    est._update_moments(moments, sample_weight is not None, "fit")
-    return est
+    return dask.compute(dask.delayed(merge_all, pure=True)(parts))[0]
 
 
 def _transform_array(block, est, inverse):
@@ -167,10 +141,9 @@ def _transform_frame(part, est, inverse):
 
 def transform(est, X, inverse):
     """Lazy (inverse) transform of a Dask array or DataFrame with the fitted ``est``."""
-    from normkit.preprocessing._scalers import _non_numeric_columns
 
     if _is_frame(X):
-        bad = _non_numeric_columns(X._meta)
+        bad = non_numeric_columns(X._meta)
         if bad:
             raise ValueError(f"{type(est).__name__} needs numeric input (non-numeric columns: {bad}); "
                              "select the fitted feature columns first.")
