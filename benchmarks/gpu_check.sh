@@ -27,7 +27,7 @@ tests_rc=${PIPESTATUS[0]}
 timeout 150 "$PY" -m normkit bench --device cuda --json > "$out/gpu-$stamp-bench.json"
 bench_rc=$?
 if [ "$bench_rc" -eq 0 ]; then
-    "$PY" -c "import json, sys; from normkit.bench_gpu import format_table; \
+    "$PY" -c "import json, sys; from normkit.bench.gpu import format_table; \
 print(format_table(json.load(open(sys.argv[1]))))" "$out/gpu-$stamp-bench.json" \
         | tee "$out/gpu-$stamp-bench.txt"
 fi

@@ -4,7 +4,7 @@ source article and torch, and the command writes valid PNGs."""
 import numpy as np
 import pytest
 
-from normkit import explain as ex
+from normkit.cli.explain import drawing as ex
 from normkit import grouping as G
 
 # the source article's printed output of torch.nn.LayerNorm(5) on ex.WORKED_INPUT

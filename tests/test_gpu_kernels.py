@@ -284,7 +284,7 @@ def _grouping(case, x, groups):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only machine")
 def test_bench_device_cuda_without_a_gpu(capsys):
-    from normkit import bench_gpu
+    from normkit.bench import gpu as bench_gpu
 
     class Args:
         ops, dtypes, modes, quick, json = ["layer_norm"], ["float32"], ["fwd"], True, False

@@ -17,7 +17,7 @@ def register(subparsers):
                     "outputs); --allocators thp adds a run with THP_MEM_ALLOC_ENABLE=1 "
                     "(torch's allocator asks for huge pages, as normkit does for its "
                     "outputs).")
-    from normkit.bench import ALLOCATORS, DTYPES, MODES, OPS
+    from normkit.bench.ops import ALLOCATORS, DTYPES, MODES, OPS
 
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="op families")
     p.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "float16",
@@ -34,15 +34,15 @@ def register(subparsers):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the Triton kernels vs torch and Liger-Kernel (if installed) "
                         "in GB/s and as a fraction of the memory bandwidth "
-                        "(normkit.bench_gpu)")
+                        "(normkit.bench.gpu)")
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
     if getattr(args, "device", "cpu") == "cuda":
-        from normkit import bench_gpu
-        return bench_gpu.main(args)
-    from normkit import bench
+        from normkit.bench import gpu
+        return gpu.main(args)
+    from normkit.bench import ops as bench
 
     case_list = bench.cases(args.ops, args.dtypes, args.modes, quick=args.quick)
     repeats = args.repeats or (3 if args.quick else 7)

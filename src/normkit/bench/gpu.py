@@ -1,7 +1,7 @@
 """``normkit bench --device cuda``: normkit's Triton kernels against torch native and, where
 installed, Liger-Kernel, in GB/s and as a fraction of the GPU's memory bandwidth.
 
-Same cases as ``normkit.bench`` (op x shape x dtype x layout x mode) on a CUDA device.
+Same cases as ``normkit.bench.ops`` (op x shape x dtype x layout x mode) on a CUDA device.
 Each provider is timed by ``triton.testing.do_bench`` (median, L2 flushed between runs).
 Bytes counted are those that must move: the forward reads x and writes y; forward +
 backward also reads x and dy and writes dx (5 tensors). The bandwidth is the device's
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 
-from normkit.bench import cases
+from normkit.bench.ops import cases
 
 LIGER_OPS = ("layer_norm", "rms_norm", "group_norm")
 

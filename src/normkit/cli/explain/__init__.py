@@ -21,7 +21,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from normkit import explain as ex
+    from normkit.cli.explain import drawing as ex
 
     try:
         keys = [ex.resolve(args.method)] if args.method else list(ex.METHODS)

@@ -1,4 +1,5 @@
-"""``normkit explain``: which numbers share one mean and variance, drawn and walked through.
+"""The drawings and the worked example of ``normkit explain``: which numbers share one mean and
+variance.
 
 Every picture here is computed from :mod:`normkit.grouping` -- the same description the
 layers use -- and never from a second, hand-written one. For a grouping with ``view`` and

@@ -15,7 +15,7 @@ and once with ``MALLOC_MMAP_MAX_=0`` (no mmap: freed blocks go back to the heap 
 reused without faults), and says which is which.
 
 ``normkit bench`` (``normkit.cli.bench``) and the scripts in ``benchmarks/`` are front
-ends of this module.
+ends of this module; each allocator setting runs in a child (``python -m normkit.bench``).
 """
 
 from __future__ import annotations
@@ -231,7 +231,8 @@ def format_table(report):
     return "\n".join(lines)
 
 
-def _child(spec_path, out_path):
+def child(spec_path, out_path):
+    """Measure the cases of the JSON file ``spec_path``; write the results to ``out_path``."""
     import torch
 
     with open(spec_path) as f:
@@ -240,7 +241,3 @@ def _child(spec_path, out_path):
     results = run_here(spec["cases"], spec["repeats"], spec["progress"], spec["label"])
     with open(out_path, "w") as f:
         json.dump(dict(environment=_environment(), results=results), f)
-
-
-if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2])
