@@ -1,4 +1,15 @@
-"""Shared test helpers: per-dtype tolerances and a comparison that reports the worst error."""
+"""Shared test helpers: per-dtype tolerances, a comparison that reports the worst error, and
+the source articles' worked LayerNorm example (its input is ``WORKED_INPUT`` of
+``normkit.cli.explain.drawing``; here is the output the article prints, to 4 decimals)."""
+
+import numpy as np
+
+# the source article's printed output of torch.nn.LayerNorm(5) on WORKED_INPUT
+ARTICLE_OUTPUT = np.array(
+    [[[-0.2675, 1.4464, -1.1036, 0.8611, -0.9364], [1.2167, -0.6042, -1.5147, -0.0248, 0.9270],
+      [-0.5116, -0.1403, 0.8087, -1.5018, 1.3450]],
+     [[0.4601, 1.3051, -0.9483, 0.5539, -1.3708], [-0.7518, 0.2088, -1.3366, 0.2924, 1.5872],
+      [1.5204, -0.9409, -1.2525, 0.2742, 0.3988]]])
 
 try:  # the scaler tests run without torch; the layer tests import it themselves
     import torch

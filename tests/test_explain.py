@@ -3,16 +3,10 @@ source article and torch, and the command writes valid PNGs."""
 
 import numpy as np
 import pytest
+from conftest import ARTICLE_OUTPUT
 
 from normkit.cli.explain import drawing as ex
 from normkit import grouping as G
-
-# the source article's printed output of torch.nn.LayerNorm(5) on ex.WORKED_INPUT
-ARTICLE_OUTPUT = np.array(
-    [[[-0.2675, 1.4464, -1.1036, 0.8611, -0.9364], [1.2167, -0.6042, -1.5147, -0.0248, 0.9270],
-      [-0.5116, -0.1403, 0.8087, -1.5018, 1.3450]],
-     [[0.4601, 1.3051, -0.9483, 0.5539, -1.3708], [-0.7518, 0.2088, -1.3366, 0.2924, 1.5872],
-      [1.5204, -0.9409, -1.2525, 0.2742, 0.3988]]])
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,12 +6,13 @@ import inspect
 import itertools
 
 import pytest
-from conftest import assert_close
+from conftest import ARTICLE_OUTPUT, assert_close
 
 torch = pytest.importorskip("torch")
 from torch import nn as tnn  # noqa: E402
 
 import normkit.nn as nknn  # noqa: E402
+from normkit.cli.explain.drawing import WORKED_INPUT  # noqa: E402
 
 NAMES = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d", "InstanceNorm2d",
          "InstanceNorm3d", "LayerNorm", "GroupNorm", "RMSNorm"]
@@ -273,13 +274,7 @@ def test_deepcopy_and_reset_parameters():
 # --- the worked example of the source articles ----------------------------------------------
 
 def test_source_articles_layer_norm_example():
-    x = torch.tensor([[[49, 90, 29, 76, 33], [86, 42, 20, 56, 79], [40, 49, 72, 16, 85]],
-                      [[44, 62, 14, 46, 5], [22, 45, 8, 47, 78], [96, 17, 7, 56, 60]]],
-                     dtype=torch.float32)
-    expected = torch.tensor(
-        [[[-0.2675, 1.4464, -1.1036, 0.8611, -0.9364], [1.2167, -0.6042, -1.5147, -0.0248, 0.9270],
-          [-0.5116, -0.1403, 0.8087, -1.5018, 1.3450]],
-         [[0.4601, 1.3051, -0.9483, 0.5539, -1.3708], [-0.7518, 0.2088, -1.3366, 0.2924, 1.5872],
-          [1.5204, -0.9409, -1.2525, 0.2742, 0.3988]]])
+    x = torch.from_numpy(WORKED_INPUT).float()
+    expected = torch.from_numpy(ARTICLE_OUTPUT).float()
     y = nknn.LayerNorm(5)(x)
     assert torch.equal(y.detach().round(decimals=4), expected)

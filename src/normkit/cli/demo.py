@@ -17,6 +17,7 @@ def run(args) -> int:
 
     import normkit
     import normkit.nn as nknn
+    from normkit.cli.explain.drawing import WORKED_INPUT
 
     torch.manual_seed(args.seed)
     layers = [
@@ -42,9 +43,7 @@ def run(args) -> int:
               f"{float((xo.grad - xt.grad).abs().max()):14.2e}")
 
     print("\nThe source articles' LayerNorm example: x of shape (2, 3, 5), LayerNorm(5)")
-    x = torch.tensor([[[49, 90, 29, 76, 33], [86, 42, 20, 56, 79], [40, 49, 72, 16, 85]],
-                      [[44, 62, 14, 46, 5], [22, 45, 8, 47, 78], [96, 17, 7, 56, 60]]],
-                     dtype=torch.float32)
+    x = torch.from_numpy(WORKED_INPUT).float()
     row = x[0, 0]
     mu, var = row.mean(), row.var(unbiased=False)
     print(f"  first row {row.tolist()}: mu = {mu:.4f}, sigma^2 (biased) = {var:.4f}")
