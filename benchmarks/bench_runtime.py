@@ -8,7 +8,7 @@
    and without the MADV_HUGEPAGE advice, and torch's.
 3. the floor: ``y = x * w + b`` as a numba row loop and as torch's ``addcmul``, against
    ``copy_``; and two forward kernels with their output written by plain stores and
-   streamed (non-temporal stores, what ``cpu._stream_out`` picks for large fp32 outputs).
+   streamed (non-temporal stores, what ``cpu.tuning.stream_out`` picks for large fp32 outputs).
 4. accuracy: GroupNorm / BatchNorm of fp32 data with mean 1e3 and 1e4 and unit spread,
    torch and normkit, max |error| against float64.
 5. first call: a new process with an empty numba cache, then with the cache filled.
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from numba import njit
 
 import normkit.functional as NF
-from normkit.backends import _memory, _parallel, cpu
+from normkit.backends import _memory, _parallel
+from normkit.backends.cpu import planes, rows, tuning
 
 
 def _median_ms(fns, repeats=15, before=None):
@@ -65,22 +66,23 @@ def launcher():
     x, w = torch.randn(8192, 4096), torch.randn(4096)
     dst = torch.empty_like(x)
     y, stats = torch.empty_like(x), [torch.empty(8192) for _ in range(3)]
-    args = [a.numpy() for a in (x, y, w, w)] + [1e-5, True] + [s.numpy() for s in stats] + \
-        [cpu._stream_out(y)]
+    args = [a.numpy() for a in (x, y, w, w)] + [1e-5, True, tuple(s.numpy() for s in stats),
+                                               (tuning.stream_out(y), tuning.rows_ahead(4096, 4))]
 
     def kernel():
-        cpu._launch(cpu._rows_fwd, 8192, 2, *args, cpu._rows_ahead(4096, 4))
+        _parallel.launch(rows.rows_forward, 8192, 2, *args)
     ms = _median_ms({"team": kernel, "pool": _with_pool(kernel)}, before=lambda: dst.copy_(x))
     print(f"1. LayerNorm fwd 8192x4096 right after a torch copy_: torch's OpenMP team "
           f"{ms['team']:.1f} ms, normkit's pool {ms['pool']:.1f} ms "
           f"(launcher: {_parallel.backend()})")
     xs = torch.randn(64, 1024)
     ys, small = torch.empty_like(xs), [torch.empty(64) for _ in range(3)]
-    sargs = [a.numpy() for a in (xs, ys, w[:1024], w[:1024])] + [1e-5, True] + \
-            [s.numpy() for s in small] + [cpu._stream_out(ys)]
+    sargs = [a.numpy() for a in (xs, ys, w[:1024], w[:1024])] + [
+        1e-5, True, tuple(s.numpy() for s in small),
+        (tuning.stream_out(ys), tuning.rows_ahead(1024, 4))]
 
     def small_call():
-        cpu._launch(cpu._rows_fwd, 64, 2, *sargs, cpu._rows_ahead(1024, 4))
+        _parallel.launch(rows.rows_forward, 64, 2, *sargs)
     us = _median_ms({"team": small_call, "pool": _with_pool(small_call)}, repeats=200)
     print(f"   launch of a small threaded call (64x1024): team {us['team'] * 1e3:.0f} us, "
           f"pool {us['pool'] * 1e3:.0f} us")
@@ -117,7 +119,7 @@ def floor():
         y = torch.empty_like(x)
         a = (x.numpy(), y.numpy(), w.numpy(), b.numpy())
         ms = _median_ms({"copy": lambda: y.copy_(x),
-                         "numba": lambda: cpu._launch(_axpy_rows, shape[0], 2, *a),
+                         "numba": lambda: _parallel.launch(_axpy_rows, shape[0], 2, *a),
                          "addcmul": lambda: torch.addcmul(b, x, w, out=y)})
         print(f"3. y = x * w + b, {shape[0]}x{shape[1]} fp32: numba {ms['numba'] / ms['copy']:.2f}"
               f" x copy, torch addcmul {ms['addcmul'] / ms['copy']:.2f} x copy")
@@ -125,19 +127,19 @@ def floor():
 
 def streaming():
     x = torch.randn(8192, 4096)
-    y, stats = torch.empty_like(x), [torch.empty(8192).numpy() for _ in range(3)]
+    y, stats = torch.empty_like(x), tuple(torch.empty(8192).numpy() for _ in range(3))
     w = torch.ones(4096).numpy()
     x4 = torch.randn(32, 256, 56, 56)
-    y4, gs = torch.empty_like(x4), [torch.empty(32 * 32).numpy() for _ in range(3)]
+    y4, gs = torch.empty_like(x4), tuple(torch.empty(32 * 32).numpy() for _ in range(3))
     w4 = torch.ones(256).numpy()
-    kernels = {   # name: (run(nt), the output, the input)
-        "LayerNorm fwd 8192x4096": (lambda nt: cpu._launch(
-            cpu._rows_fwd, 8192, 2, x.numpy(), y.numpy(), w, w, 1e-5, True, *stats, nt,
-            cpu._rows_ahead(4096, 4)), y, x),
-        "GroupNorm fwd 32x256x56x56": (lambda nt: cpu._launch(
-            cpu._units_fwd, 32 * 32, 2, x4.view(32, 256, -1).numpy(),
-            y4.view(32, 256, -1).numpy(), w4, w4, 1e-5, 32, False, *gs, nt,
-            cpu._units_ahead(4, 56 * 56)), y4, x4),
+    kernels = {   # name: (run(stream), the output, the input)
+        "LayerNorm fwd 8192x4096": (lambda stream: _parallel.launch(
+            rows.rows_forward, 8192, 2, x.numpy(), y.numpy(), w, w, 1e-5, True, stats,
+            (stream, tuning.rows_ahead(4096, 4))), y, x),
+        "GroupNorm fwd 32x256x56x56": (lambda stream: _parallel.launch(
+            planes.planes_forward, 32 * 32, 2, x4.view(32, 256, -1).numpy(),
+            y4.view(32, 256, -1).numpy(), w4, w4, 1e-5, 32, False, gs,
+            (stream, tuning.rows_ahead(56 * 56, 4))), y4, x4),
     }
     for name, (run, out, inp) in kernels.items():
         ms = _median_ms({"copy": lambda: out.copy_(inp), "plain": lambda: run(False),

@@ -23,14 +23,14 @@ def _recorder():
     return kernel, seen
 
 
-@pytest.mark.parametrize("total,nt", [(10, 3), (7, 7), (5, 9), (100, 2), (1, 4)])
-def test_every_range_runs_once(total, nt):
+@pytest.mark.parametrize("total,threads", [(10, 3), (7, 7), (5, 9), (100, 2), (1, 4)])
+def test_every_range_runs_once(total, threads):
     kernel, seen = _recorder()
-    _parallel.launch(kernel, total, nt, "t")
+    _parallel.launch(kernel, total, threads, "t")
     ranges = sorted((lo, hi) for _, lo, hi, _ in seen)
     covered = [i for lo, hi in ranges for i in range(lo, hi)]
     assert covered == list(range(total))
-    assert len(ranges) == min(nt, total) or ranges[-1][1] == total
+    assert len(ranges) == min(threads, total) or ranges[-1][1] == total
 
 
 def test_ranges_run_on_several_threads():

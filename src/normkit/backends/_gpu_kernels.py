@@ -4,8 +4,10 @@ Two families, both with fp32 statistics and one cast of each output:
 
 ``_rows_*``   LayerNorm / RMSNorm over rows of K elements (an (M, K) view whose last
               dim is contiguous), optionally adding a residual first.
-``_units_*``  Batch/Instance/GroupNorm over an (N, C, S) view with any strides
-              (contiguous NCHW, channels_last, ...): tiles of (channels x positions).
+``_nc_*``     Batch/Instance/GroupNorm over an (N, C, S) view with any strides
+              (contiguous NCHW, channels_last, ...): per-(n, c) partials over tiles of
+              (channels x positions), the family of the CPU backend's channels_last
+              kernels (``normkit.backends.cpu.channels_last``).
 
 Every kernel loops over blocks of its row or tile, so any size works; ``SINGLE`` (the row
 fits one block) keeps the row in registers between the statistics and the output. The
@@ -17,6 +19,17 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _chan_merge(count, mean, m2, n_new, mean_new, m2_new):
+    """Chan's merge of (count, mean, M2) with a block of ``n_new`` elements of mean
+    ``mean_new`` and M2 ``m2_new`` (``delta = mean_new - mean``, ``M2 += M2_new + delta^2 *
+    count * n_new / (count + n_new)``); scalars or per-channel vectors alike."""
+    delta = mean_new - mean
+    mean = mean + delta * (n_new / (count + n_new))
+    m2 = m2 + m2_new + delta * delta * (count * n_new / (count + n_new))
+    return count + n_new, mean, m2
 
 
 # ---------------------------------------------------------------------------------------
@@ -44,9 +57,9 @@ def _rows_fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, Var, K, stride_row, eps,
     """One program per row: ``y = (h - mean) * rstd * w + b``, ``h = x (+ r)``.
 
     Statistics: each block's mean and M2 by a two-pass in registers, merged into the
-    row's by Chan's rule (``delta = mean_new - mean_old``, ``M2 += M2_new + delta^2 *
-    n_old * n_new / n``), so the row is read once for them and once for the output --
-    never E[x^2] - E[x]^2. Without centering (RMSNorm) mean = 0 and var = mean(x^2).
+    row's by Chan's rule (``_chan_merge``), so the row is read once for them and once for
+    the output -- never E[x^2] - E[x]^2. Without centering (RMSNorm) mean = 0 and
+    var = mean(x^2).
     X, R, H, Y share ``stride_row``; Mean, Rstd, Var: (M,) fp32.
     """
     row = tl.program_id(0).to(tl.int64)
@@ -88,13 +101,10 @@ def _rows_fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, Var, K, stride_row, eps,
             if CENTER:
                 bmean = tl.sum(x, axis=0) / nb
                 d = tl.where(mask, x - bmean, 0.0)
-                bm2 = tl.sum(d * d, axis=0)
-                delta = bmean - mean
-                mean = mean + delta * (nb / (cnt + nb))
-                m2 = m2 + bm2 + delta * delta * (cnt * nb / (cnt + nb))
+                cnt, mean, m2 = _chan_merge(cnt, mean, m2, nb, bmean, tl.sum(d * d, axis=0))
             else:
                 m2 = m2 + tl.sum(x * x, axis=0)
-            cnt = cnt + nb
+                cnt = cnt + nb
         var = m2 / K
         rstd = tl.math.rsqrt(var + eps)
         for k0 in range(0, K, BLOCK):                              # second read: output
@@ -138,10 +148,10 @@ def _rows_bwd_kernel(G, S, GH, W, B, Mean, Rstd, DX, DWp, DBp, M, K, rows_per_pr
     """dx of rows ``[pid * rows_per_prog, ...)``; with ``SINGLE`` also this program's
     partial ``dw = sum(g * xhat)`` and ``db = sum(g)`` into row ``pid`` of DWp, DBp.
 
-    With ``dxhat = g * w``, ``c1 = mean(dxhat * xhat)`` and ``c2 = mean(dxhat)`` over the
-    row (``c2 = 0`` without centering)::
+    With ``dxhat = g * w``, ``c_var = mean(dxhat * xhat)`` and ``c_mean = mean(dxhat)``
+    over the row (``c_mean = 0`` without centering)::
 
-        dx = rstd * (dxhat - c2 - xhat * c1)   (+ gh: the gradient reaching h directly)
+        dx = rstd * (dxhat - c_mean - xhat * c_var)   (+ gh: the gradient reaching h)
 
     S is the saved input (``FROM_Y = False``) or output (``FROM_Y``, then xhat =
     (y - b) / w, the precondition w != 0 checked by the caller).
@@ -164,12 +174,12 @@ def _rows_bwd_kernel(G, S, GH, W, B, Mean, Rstd, DX, DWp, DBp, M, K, rows_per_pr
             dxh = g                                                # BLOCK
             if HAS_W:
                 dxh = g * w
-            c1 = tl.sum(dxh * xh, axis=0) / K                      # variance path
+            c_var = tl.sum(dxh * xh, axis=0) / K                   # variance path
             if CENTER:
-                c2 = tl.sum(dxh, axis=0) / K                       # mean path
+                c_mean = tl.sum(dxh, axis=0) / K                   # mean path
             else:
-                c2 = 0.0
-            dx = (dxh - c2 - xh * c1) * rstd
+                c_mean = 0.0
+            dx = (dxh - c_mean - xh * c_var) * rstd
             if HAS_GH:
                 dx = dx + tl.load(GH + r * stride_gh + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + r * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
@@ -181,8 +191,8 @@ def _rows_bwd_kernel(G, S, GH, W, B, Mean, Rstd, DX, DWp, DBp, M, K, rows_per_pr
         for r in range(row0, row1):
             mean = tl.load(Mean + r)
             rstd = tl.load(Rstd + r)
-            c1 = 0.0
-            c2 = 0.0
+            c_var = 0.0
+            c_mean = 0.0
             for k0 in range(0, K, BLOCK):
                 offs = k0 + cols
                 mask = offs < K
@@ -191,13 +201,13 @@ def _rows_bwd_kernel(G, S, GH, W, B, Mean, Rstd, DX, DWp, DBp, M, K, rows_per_pr
                            HAS_B)
                 if HAS_W:
                     g = g * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-                c1 += tl.sum(g * xh, axis=0)
-                c2 += tl.sum(g, axis=0)
-            c1 = c1 / K
+                c_var += tl.sum(g * xh, axis=0)
+                c_mean += tl.sum(g, axis=0)
+            c_var = c_var / K
             if CENTER:
-                c2 = c2 / K
+                c_mean = c_mean / K
             else:
-                c2 = 0.0
+                c_mean = 0.0
             for k0 in range(0, K, BLOCK):                          # the row again, from L2
                 offs = k0 + cols
                 mask = offs < K
@@ -206,7 +216,7 @@ def _rows_bwd_kernel(G, S, GH, W, B, Mean, Rstd, DX, DWp, DBp, M, K, rows_per_pr
                            HAS_B)
                 if HAS_W:
                     g = g * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-                dx = (g - c2 - xh * c1) * rstd
+                dx = (g - c_mean - xh * c_var) * rstd
                 if HAS_GH:
                     dx = dx + tl.load(GH + r * stride_gh + offs, mask=mask,
                                       other=0.0).to(tl.float32)
@@ -237,12 +247,12 @@ def _rows_param_kernel(G, S, W, B, Mean, Rstd, DWp, DBp, M, K, rows_per_prog,
 
 
 # ---------------------------------------------------------------------------------------
-# units: Batch/Instance/GroupNorm over an (N, C, S) view with any strides
+# per (n, c): Batch/Instance/GroupNorm over an (N, C, S) view with any strides
 # ---------------------------------------------------------------------------------------
 
 @triton.jit
-def _units_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
-                          BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+def _nc_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
+                       BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """Per-(n, c) mean and M2 over one range of positions: program (n, cb, p) covers the
     channels ``[cb * BLOCK_C, ...)`` and positions ``[p * s_per_part, ...)`` of sample n,
     in (BLOCK_C x BLOCK_S) tiles -- a two-pass per tile in registers, Chan-merged across
@@ -269,23 +279,19 @@ def _units_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
         nb = tl.minimum(s1 - sb, BLOCK_S).to(tl.float32)
         bmean = tl.sum(x, axis=1) / nb                             # BLOCK_C
         d = tl.where(mask, x - bmean[:, None], 0.0)
-        bm2 = tl.sum(d * d, axis=1)
-        delta = bmean - mean
-        mean = mean + delta * (nb / (cnt + nb))
-        m2 = m2 + bm2 + delta * delta * (cnt * nb / (cnt + nb))
-        cnt = cnt + nb
+        cnt, mean, m2 = _chan_merge(cnt, mean, m2, nb, bmean, tl.sum(d * d, axis=1))
     out = (n * tl.num_programs(2) + p) * C + cs
     tl.store(PMean + out, x0.to(tl.float64) + mean.to(tl.float64), mask=cmask)
     tl.store(PM2 + out, m2, mask=cmask)
 
 
 @triton.jit
-def _units_bwd_sums_kernel(G, X, Mu, MuLo, Rs, PSg, PSgx, C, S, s_per_part, sgn, sgc, sgs,
-                           sxn, sxc, sxs, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+def _nc_grad_sums_kernel(G, X, Mu, MuLo, Rs, PSg, PSgx, C, S, s_per_part, sgn, sgc, sgs,
+                         sxn, sxc, sxs, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """Per-(n, c) partial sums of ``g`` and ``g * xhat`` over one range of positions (the
-    tiling of ``_units_moments_kernel``); Mu, Rs: per-(n, c) statistics, (N, C) fp32.
+    tiling of ``_nc_moments_kernel``); Mu, Rs: per-(n, c) statistics, (N, C) fp32.
     These are dbias and dweight before the sums over parts and samples, and the group
-    sums c1, c2 of the input gradient. The mean comes as fp32 ``Mu + MuLo`` (hi + lo):
+    sums c_var, c_mean of the input gradient. The mean comes as fp32 ``Mu + MuLo`` (hi + lo):
     ``(x - hi) - lo`` keeps the digits of inputs far from 0."""
     n = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -314,15 +320,16 @@ def _units_bwd_sums_kernel(G, X, Mu, MuLo, Rs, PSg, PSgx, C, S, s_per_part, sgn,
 
 
 @triton.jit
-def _units_affine_kernel(X, G, Y, Mu, MuLo, A, Bc, K1, C, S, s_per_part, sxn, sxc, sxs,
-                         sgn, sgc, sgs, syn, syc, sys_, HAS_G: tl.constexpr,
-                         BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
-    """``y = (x - mu) * a + b (+ g * k1)`` with per-(n, c) coefficients ((N, C) fp32).
+def _nc_affine_kernel(X, G, Y, Mu, MuLo, A, Bc, ScaleG, C, S, s_per_part, sxn, sxc, sxs,
+                      sgn, sgc, sgs, syn, syc, sys_, HAS_G: tl.constexpr,
+                      BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``y = (x - mu) * a + b (+ g * scale_g)`` with per-(n, c) coefficients ((N, C)
+    fp32).
 
-    Forward: ``a = rstd * w``, ``b = bias``. Backward (``HAS_G``): ``k1 = rstd * w``,
-    ``a = -rstd^2 * c1``, ``b = -rstd * c2``, i.e. ``dx = rstd * (g * w - c2 - xhat *
-    c1)``. The mean is fp32 ``Mu + MuLo`` (hi + lo), subtracted before scaling: ``(x -
-    hi) - lo`` keeps the digits of inputs far from 0."""
+    Forward: ``a = rstd * w``, ``b = bias``. Backward (``HAS_G``): ``scale_g = rstd * w``,
+    ``a = -rstd^2 * c_var``, ``b = -rstd * c_mean``, i.e. ``dx = rstd * (g * w - c_mean -
+    xhat * c_var)``. The mean is fp32 ``Mu + MuLo`` (hi + lo), subtracted before scaling:
+    ``(x - hi) - lo`` keeps the digits of inputs far from 0."""
     n = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p = tl.program_id(2)
@@ -334,7 +341,7 @@ def _units_affine_kernel(X, G, Y, Mu, MuLo, A, Bc, K1, C, S, s_per_part, sxn, sx
     a = tl.load(A + n * C + cs, mask=cmask, other=0.0)[:, None]
     b = tl.load(Bc + n * C + cs, mask=cmask, other=0.0)[:, None]
     if HAS_G:
-        k1 = tl.load(K1 + n * C + cs, mask=cmask, other=0.0)[:, None]
+        scale_g = tl.load(ScaleG + n * C + cs, mask=cmask, other=0.0)[:, None]
     c64 = cs[:, None].to(tl.int64)
     for sb in range(s0, s1, BLOCK_S):
         ss = (sb + tl.arange(0, BLOCK_S))[None, :]
@@ -344,5 +351,5 @@ def _units_affine_kernel(X, G, Y, Mu, MuLo, A, Bc, K1, C, S, s_per_part, sxn, sx
         y = ((x - mu) - mu_lo) * a + b                             # BLOCK_C, BLOCK_S
         if HAS_G:
             g = tl.load(G + n * sgn + c64 * sgc + s64 * sgs, mask=mask, other=0.0)
-            y = y + g.to(tl.float32) * k1
+            y = y + g.to(tl.float32) * scale_g
         tl.store(Y + n * syn + c64 * syc + s64 * sys_, y.to(Y.dtype.element_ty), mask=mask)

@@ -2,12 +2,11 @@
 
 A fresh output of 100 MiB comes from ``mmap`` (glibc serves blocks above its mmap
 threshold that way), so the first write to each 4 KiB page faults into the kernel: about
-25,000 faults per output, which on the 2-core machine made every large op 5-6 x a memory
-copy, torch's and normkit's alike. Where the kernel runs transparent huge pages in
+25,000 faults per output, several memory copies' worth of time, torch's outputs and
+normkit's alike. Where the kernel runs transparent huge pages in
 ``madvise`` mode (a common default), ``empty_like`` marks the 2 MiB-aligned interior of a
 large new output ``MADV_HUGEPAGE`` before anything touches it, so it faults 2 MiB at a
-time: LayerNorm forward 8192 x 4096 fp32 takes 16.8-26.6 ms advised against 53.9-58.4 ms
-not (torch: 45.8-52.2 ms; ``benchmarks/bench_runtime.py``). torch does the same for its own
+time (``docs/performance.md`` has the measurement). torch does the same for its own
 allocations with ``THP_MEM_ALLOC_ENABLE=1``.
 
 The advice changes no value and no layout; it is skipped for outputs under 8 MiB, off

@@ -1,18 +1,17 @@
 """Running a CPU kernel over ranges of work items on torch's own threads.
 
 Every CPU kernel is a serial, GIL-free (numba ``nogil``) loop over a range ``[lo, hi)``
-of independent work items. ``launch`` splits the items into ``nt`` contiguous ranges and
-runs one range per thread.
+of independent work items. ``launch`` splits the items into ``threads`` contiguous ranges
+and runs one range per thread.
 
 The threads are torch's: when torch's intra-op parallelism is OpenMP (the Linux wheels:
 GNU libgomp in ``torch/lib``), ``launch`` opens a parallel region of *that* runtime with
 ``GOMP_parallel``, so the work runs on the team that runs torch's own ops. This matters
 because an OpenMP worker keeps spinning on its core for a while after each region (its
 wait policy); work handed to any other thread right after a torch op has to share that
-core with the spinner. Measured on 2 cores (LayerNorm forward 8192 x 4096 fp32 right
-after a torch ``copy_``, ``benchmarks/bench_runtime.py``): 18.3-21.1 ms on the fallback
-pool, 12.7-16.0 ms on torch's team. Each thread of the team runs a small Python callback
-(ctypes) that looks up its range and calls the kernel, which releases the GIL at once.
+core with the spinner (``docs/performance.md`` has the measurement). Each thread of the
+team runs a small Python callback (ctypes) that looks up its range and calls the kernel,
+which releases the GIL at once.
 
 Elsewhere (no OpenMP runtime of torch's found, other systems), and in a process forked
 from one that ran a parallel region (GNU OpenMP is not fork-safe: torch's own parallel ops
@@ -108,10 +107,10 @@ def backend() -> str:
     return "openmp" if _OMP is not None else "threads"
 
 
-def launch(kernel, total, nt, *args):
-    """``kernel(*args, lo, hi)`` over [0, total) in ``nt`` contiguous ranges at once."""
-    nt = max(1, min(nt, total))
-    step = -(-total // nt)
+def launch(kernel, total, threads, *args):
+    """``kernel(*args, lo, hi)`` over [0, total) in ``threads`` contiguous ranges at once."""
+    threads = max(1, min(threads, total))
+    step = -(-total // threads)
     bounds = [(lo, min(total, lo + step)) for lo in range(0, total, step)]
     if len(bounds) == 1:
         kernel(*args, 0, total)

@@ -13,18 +13,18 @@ tests set it in their own process and call ``forward``/``backward`` on CPU tenso
 Statistics are fp32 for fp32, bf16 and fp16 inputs (fp64 goes to the composite path);
 every output is cast once. Design, per family (see ``docs/gpu.md``):
 
-LayerNorm / RMSNorm, an (M, K) view of rows:
+LayerNorm / RMSNorm (``_rows_*``), an (M, K) view of rows:
     forward   one program per row; the row's mean and M2 from per-block two-passes
               merged by Chan's rule, then the output -- two reads of the row, one when
               it fits a block (kept in registers). An optional residual is added first
               and ``h = x + r`` written out.
     backward  P programs, each over a contiguous chunk of rows: ``dx = rstd * (dxhat -
-              c2 - xhat * c1)``. When a row fits a block each program also accumulates
-              its rows' ``g * xhat`` and ``g`` in registers and writes them to row p of a
-              (P, K) buffer; otherwise a second kernel, tiled (row chunk x column block),
-              does so. The buffer is then summed over P: a two-stage reduction, no
-              atomics.
-Batch / Instance / GroupNorm, an (N, C, S) view with any strides:
+              c_mean - xhat * c_var)``. When a row fits a block each program also
+              accumulates its rows' ``g * xhat`` and ``g`` in registers and writes them
+              to row p of a (P, K) buffer; otherwise a second kernel, tiled (row chunk x
+              column block), does so. The buffer is then summed over P: a two-stage
+              reduction, no atomics.
+Batch / Instance / GroupNorm (``_nc_*``), an (N, C, S) view with any strides:
     stats     tiles of (channels x positions) give per-(n, c) mean and M2 over P ranges
               of positions (two-pass per tile, Chan merge across tiles); the (N, P, C)
               partials are Chan-merged into the grouping's statistics in float64 (over
@@ -32,8 +32,9 @@ Batch / Instance / GroupNorm, an (N, C, S) view with any strides:
               GroupNorm).
     apply     ``y = (x - mu) * (rstd * w) + b`` with per-(n, c) coefficients.
     backward  per-(n, c) partial sums of ``g`` and ``g * xhat`` (same tiling), summed to
-              dbias/dweight and to the group sums c1, c2; then ``dx = g * k1 - (x - mu) *
-              k2 - k3`` by the apply kernel.
+              dbias/dweight and to the group sums c_var, c_mean; then the apply kernel
+              writes ``dx = g * scale_g + (x - mu) * a + b`` (``scale_g = rstd w``,
+              ``a = -rstd^2 c_var``, ``b = -rstd c_mean``).
 The tiles are wide along whichever of channels and positions is contiguous, so contiguous
 NCHW and channels_last both read memory in order.
 """
@@ -197,7 +198,7 @@ def fused_add_backward(grad_y, grad_h, saved, mean, rstd, weight, bias, center, 
 
 
 # ---------------------------------------------------------------------------------------
-# units: Batch / Instance / GroupNorm over (N, C, S)
+# per (n, c): Batch / Instance / GroupNorm over (N, C, S)
 # ---------------------------------------------------------------------------------------
 
 def _tiles(x3):
@@ -254,17 +255,17 @@ def _merge(pmean, pm2, counts, grouping, n, c):
     return mean, m2 / total
 
 
-def _launch_affine(x3, g3, out3, mu, mu_lo, a, b, k1, tiles):
+def _launch_affine(x3, g3, out3, mu, mu_lo, a, b, scale_g, tiles):
     n, c, s = x3.shape
     block_c, block_s, parts, spp = tiles
     g = x3 if g3 is None else g3
-    _k()._units_affine_kernel[(n, _cdiv(c, block_c), parts)](
-        x3, g, out3, mu, mu_lo, a, b, a if k1 is None else k1, c, s, spp, *x3.stride(), *g.stride(),
-        *out3.stride(), HAS_G=g3 is not None, BLOCK_C=block_c, BLOCK_S=block_s,
-        num_warps=_warps(block_c * block_s))
+    _k()._nc_affine_kernel[(n, _cdiv(c, block_c), parts)](
+        x3, g, out3, mu, mu_lo, a, b, a if scale_g is None else scale_g, c, s, spp,
+        *x3.stride(), *g.stride(), *out3.stride(), HAS_G=g3 is not None, BLOCK_C=block_c,
+        BLOCK_S=block_s, num_warps=_warps(block_c * block_s))
 
 
-def _units_forward(x, grouping, weight, bias, eps, mean, rstd):
+def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
     x3 = _ncs(x, grouping)
     n, c, s = x3.shape
     dev = x.device
@@ -274,7 +275,7 @@ def _units_forward(x, grouping, weight, bias, eps, mean, rstd):
     if mean is None:
         pmean = torch.empty((n, parts, c), dtype=torch.float64, device=dev)   # N, P, C
         pm2 = torch.empty((n, parts, c), dtype=torch.float32, device=dev)
-        _k()._units_moments_kernel[(n, _cdiv(c, block_c), parts)](
+        _k()._nc_moments_kernel[(n, _cdiv(c, block_c), parts)](
             x3, pmean, pm2, c, s, spp, *x3.stride(), BLOCK_C=block_c, BLOCK_S=block_s,
             num_warps=_warps(block_c * block_s))
         counts = (s - spp * torch.arange(parts, device=dev)).clamp(0, spp)    # P
@@ -296,7 +297,7 @@ def _units_forward(x, grouping, weight, bias, eps, mean, rstd):
     return y3.view(grouping.view), mean, rstd, var
 
 
-def _units_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
+def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     x3 = _ncs(x, grouping)
     n, c, s = x3.shape
     dev = x.device
@@ -308,7 +309,7 @@ def _units_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs)
     rs = _per_nc(rstd, grouping, n, c)
     psg = torch.empty((n, parts, c), dtype=torch.float32, device=dev)       # N, P, C
     psgx = torch.empty((n, parts, c), dtype=torch.float32, device=dev)
-    _k()._units_bwd_sums_kernel[(n, _cdiv(c, block_c), parts)](
+    _k()._nc_grad_sums_kernel[(n, _cdiv(c, block_c), parts)](
         g3, x3, mu, mu_lo, rs, psg, psgx, c, s, spp, *g3.stride(), *x3.stride(),
         BLOCK_C=block_c, BLOCK_S=block_s, num_warps=_warps(block_c * block_s))
     sg, sgx = psg.double().sum(1), psgx.double().sum(1)           # second stage: N, C
@@ -318,19 +319,19 @@ def _units_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs)
              else weight.detach().reshape(c).double())
         rs64 = rs.double()
         if fixed:
-            c1 = c2 = torch.zeros_like(sg)
+            c_var = c_mean = torch.zeros_like(sg)
         else:
             axes, cnt = _group_axes(grouping), grouping.group_size
             gv = _group_view(sg, grouping, n, c).shape
-            c1 = ((w * sgx).view(gv).sum(axes, keepdim=True) / cnt).expand(gv).reshape(n, c)
-            c2 = ((w * sg).view(gv).sum(axes, keepdim=True) / cnt).expand(gv).reshape(n, c)
+            c_var = ((w * sgx).view(gv).sum(axes, keepdim=True) / cnt).expand(gv).reshape(n, c)
+            c_mean = ((w * sg).view(gv).sum(axes, keepdim=True) / cnt).expand(gv).reshape(n, c)
             if not center:
-                c2 = torch.zeros_like(c2)
-        k1 = (rs64 * w).float().contiguous()
-        a = (-rs64 * rs64 * c1).float().contiguous()
-        b = (-rs64 * c2).float().contiguous()
+                c_mean = torch.zeros_like(c_mean)
+        scale_g = (rs64 * w).float().contiguous()
+        a = (-rs64 * rs64 * c_var).float().contiguous()
+        b = (-rs64 * c_mean).float().contiguous()
         dx3 = torch.empty_like(x3)
-        _launch_affine(x3, g3, dx3, mu, mu_lo, a, b, k1, tiles)
+        _launch_affine(x3, g3, dx3, mu, mu_lo, a, b, scale_g, tiles)
         dx = dx3.view(grouping.view)
     pshape = grouping.param_view
     dw = sgx.sum(0).float().view(pshape) if needs[1] else None
@@ -344,7 +345,7 @@ def _units_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs)
 
 def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
     if grouping.kind != "layer":
-        return _units_forward(x, grouping, weight, bias, eps, mean, rstd)
+        return _nc_forward(x, grouping, weight, bias, eps, mean, rstd)
     y, _, mean, rstd, var = rows_forward(x, None, weight, bias, eps, center)
     shape = grouping.stat_shape
     return y.view(grouping.view), mean.view(shape), rstd.view(shape), var.view(shape)
@@ -352,7 +353,7 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
 
 def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     if grouping.kind != "layer":
-        return _units_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs)
+        return _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs)
     m, k = grouping.view
     dx, dw, db = rows_backward(grad, x, None, weight, None, mean.reshape(m).float(),
                                rstd.reshape(m).float(), center, False, needs)

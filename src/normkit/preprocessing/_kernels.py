@@ -17,8 +17,9 @@ The numba kernels (optional extra ``fast``) split the rows into fixed-size chunk
 threads share. Inside a chunk the rows are read in blocks small enough to stay in cache; a
 block's statistics come from the corrected two-pass formula (pass one: the block mean; pass
 two: squared deviations from it, plus the residual sum that cancels pass one's rounding),
-then the block is folded into the chunk with the Chan merge. The chunks are finally merged
-by ``normkit.stats.merge_rows`` (a pairwise tree). The chunk size does not depend on the
+then the block is folded into the chunk with the Chan merge (``normkit.stats_numba``, the
+one jitted merge, shared with the CPU backend). The chunks are finally merged by
+``normkit.stats.merge_rows`` (a pairwise tree). The chunk size does not depend on the
 number of threads, so results are the same bit for bit whatever the thread count.
 
 The NumPy path walks the same row blocks with ``Moments.from_array`` and ``Moments.merge``;
@@ -37,6 +38,8 @@ from normkit.stats import Moments, Range, merge_rows
 
 try:  # the optional extra ``fast``
     import numba
+
+    from normkit.stats_numba import chan_merge
 except ImportError:  # pragma: no cover - exercised where numba is absent
     numba = None
 
@@ -125,19 +128,13 @@ if numba is not None:
                         ok = d == d
                         bq[j] += wi * d * d if ok else 0.0
                         br[j] += wi * d if ok else 0.0
-                # fold the block into the chunk (Chan et al.)
+                # fold the block into the chunk
                 for j in range(p):
                     n_new = bc[j]
                     if n_new > 0.0:
-                        mean_new = bm[j] + br[j] / n_new
-                        m2_new = bq[j] - br[j] * br[j] / n_new
-                        n_old = cnt[c, j]
-                        n_upd = n_old + n_new
-                        delta = mean_new - mean[c, j]
-                        frac = n_new / n_upd
-                        mean[c, j] += delta * frac
-                        m2[c, j] += m2_new + delta * delta * n_old * frac
-                        cnt[c, j] = n_upd
+                        cnt[c, j], mean[c, j], m2[c, j] = chan_merge(
+                            cnt[c, j], mean[c, j], m2[c, j], n_new,
+                            bm[j] + br[j] / n_new, bq[j] - br[j] * br[j] / n_new)
         return cnt, mean, m2
 
     @numba.njit(parallel=True, cache=True, fastmath=False)

@@ -1,0 +1,144 @@
+"""Moment loops of the CPU kernels: (mean, M2) of NCHW planes and of channels_last rows.
+
+Every partial result is merged with ``normkit.stats_numba.chan_merge`` in float64 (the
+one jitted Chan merge, shared with the scalers' kernels). The variance is never
+``E[x^2] - E[x]^2`` of raw values: each loop sums deviations from a shift close to the
+mean, so the cancellation stays at a few roundings even for data far from zero.
+
+* The first plane of a unit (or channel), and the first block of rows of a channels_last
+  range, take a two-pass (the mean, then squared deviations, the data still in L1/L2).
+* The planes and blocks after it take one pass of the sums of ``d = x - k`` and ``d*d``,
+  ``k`` the running mean of those before: ``M2 = sum(d*d) - sum(d)^2 / n``. The pass
+  overlaps with the memory stream, where a second pass from L1/L2 does not; a shift by
+  the block's first value instead of the running mean is not enough (it loses digits on
+  a large outlier).
+
+A row of LayerNorm/RMSNorm is one block: its moments are ``two_pass``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba.extending import register_jitable
+
+from normkit.backends.cpu.half import accumulate, like, load
+from normkit.stats_numba import chan_merge
+
+__all__ = ["cl_range_moments", "fold_lanes", "merge_channels", "plane_merge", "two_pass"]
+
+
+# ---- rows and NCHW planes ------------------------------------------------------------
+
+@register_jitable
+def two_pass(xs, x0, inv_n, sdt, center):
+    """(mean - x0, M2) of a row or plane xs: (n,) by two-pass, in the dtype of the array
+    sdt (xs stays in L1 for the second pass); x0 is a shift near the data (its first
+    element), inv_n = 1 / n. Without ``center`` (RMSNorm; x0 = 0): (0, sum(x^2))."""
+    mean_x0 = like(sdt, 0.0)
+    if center:
+        s = like(sdt, 0.0)
+        for i in range(xs.shape[0]):
+            s = accumulate(s, load(xs, i) - x0)
+        mean_x0 = s * inv_n
+    q = like(sdt, 0.0)
+    for i in range(xs.shape[0]):                                   # from L1
+        d = (load(xs, i) - x0) - mean_x0
+        q = accumulate(q, d * d)
+    return mean_x0, q
+
+
+@register_jitable
+def _plane_shifted(xb, x0, mean_x0, inv_s, sdt):
+    """(mean - x0, M2) of the plane xb: (S,) in one pass of the sums of d = x - k and
+    d*d, with the shift k = x0 + mean_x0 (the running mean of the planes before it)."""
+    k = like(sdt, x0 + mean_x0)
+    s = like(sdt, 0.0)
+    q = like(sdt, 0.0)
+    for i in range(xb.shape[0]):
+        d = load(xb, i) - k
+        s = accumulate(s, d)
+        q = accumulate(q, d * d)
+    block_mean = s * inv_s
+    return (np.float64(k) - x0) + block_mean, q - s * block_mean
+
+
+@register_jitable
+def plane_merge(xb, x0, inv_s, sdt, count, mean_x0, m2):
+    """(count, mean - x0, M2) merged with the plane xb: (S,) (float64): the first plane
+    (count 0) by two-pass, the others in one pass shifted by the running mean."""
+    if count == 0.0:
+        block_mean, q = two_pass(xb, x0, inv_s, sdt, True)
+    else:
+        block_mean, q = _plane_shifted(xb, x0, mean_x0, inv_s, sdt)
+    return chan_merge(count, mean_x0, m2, np.float64(xb.shape[0]), np.float64(block_mean),
+                      np.float64(q))
+
+
+# ---- channels_last rows ---------------------------------------------------------------
+
+@register_jitable
+def fold_lanes(lanes, out, c_, run):
+    """out[c] = the sum over r < run of lanes[r*C + c] (lane j holds channel j % C)."""
+    out[:] = lanes[:c_]
+    for r in range(1, run):
+        lr = lanes[r * c_:(r + 1) * c_]
+        for c in range(c_):
+            out[c] += lr[c]
+
+
+@register_jitable
+def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch):
+    """Per-channel mean and M2 (float64, written to mean, m2: (C,)) of the rows
+    [s_begin, s_end) of one channels_last sample xn: (S*C,), over blocks of ``block``
+    rows Chan-merged in float64. A block is read as runs of ``run`` rows, run*C
+    consecutive elements summed into as many lanes of the statistics dtype and folded to
+    channels per block. ``scratch`` = (lane sums, lane squares, lane shifts: (run*C,);
+    channel sums, channel squares: (C,)), arrays of the statistics dtype."""
+    sums, squares, shift, csum, csq = scratch
+    mean[:] = 0.0
+    m2[:] = 0.0
+    count = 0.0
+    for s0 in range(s_begin, s_end, block):
+        s1 = min(s_end, s0 + block)
+        nb = s1 - s0
+        if count == 0.0:                                           # the block's own mean
+            sums[:] = 0.0
+            for g0 in range(s0, s1, run):
+                xs = xn[g0 * c_:min(s1, g0 + run) * c_]            # <= run*C
+                for j in range(xs.shape[0]):
+                    sums[j] += load(xs, j)
+            fold_lanes(sums, csum, c_, run)
+            inv = like(csum, 1.0 / nb)
+            for c in range(c_):
+                csum[c] *= inv
+        else:                                                      # the running mean
+            for c in range(c_):
+                csum[c] = mean[c]
+        for r in range(run):                                       # the shift, per lane
+            shift[r * c_:(r + 1) * c_] = csum
+        sums[:] = 0.0
+        squares[:] = 0.0
+        for g0 in range(s0, s1, run):
+            xs = xn[g0 * c_:min(s1, g0 + run) * c_]
+            for j in range(xs.shape[0]):
+                d = load(xs, j) - shift[j]
+                sums[j] += d
+                squares[j] += d * d
+        fold_lanes(sums, csum, c_, run)
+        fold_lanes(squares, csq, c_, run)
+        for c in range(c_):
+            sd = np.float64(csum[c])
+            _, mean[c], m2[c] = chan_merge(count, mean[c], m2[c], np.float64(nb),
+                                           np.float64(shift[c]) + sd / nb,
+                                           np.float64(csq[c]) - sd * sd / nb)
+        count += nb
+
+
+@register_jitable
+def merge_channels(mean, m2, count, c0, c1):
+    """(mean, M2) of the channels [c0, c1) merged, each holding ``count`` elements with
+    the given per-channel mean and M2 (float64)."""
+    n, gm, gq = 0.0, 0.0, 0.0
+    for c in range(c0, c1):
+        n, gm, gq = chan_merge(n, gm, gq, count, mean[c], m2[c])
+    return gm, gq

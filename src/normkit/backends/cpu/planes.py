@@ -1,0 +1,196 @@
+"""Batch/Instance/GroupNorm on contiguous NCHW, viewed (N, C, S): planes of S elements.
+
+A *unit* is the set of (n, c) planes that share a statistic: a (sample, group) of C/G
+adjacent planes for GroupNorm, one plane for InstanceNorm, a channel (N planes at a
+stride of C*S) for BatchNorm.
+
+``planes_forward`` / ``planes_backward`` (Instance/GroupNorm): one unit per iteration.
+Plane moments Chan-merged over the unit (``moments.plane_merge``), then the unit is
+normalized while still in L2, so x is read from memory once; meanwhile the float32/
+float64 kernels prefetch the plane ``ahead`` planes on, if it belongs to a later unit of
+the range (``tuning.rows_ahead``: a plane is a row of S).
+
+``channels_forward`` / ``channels_backward`` (BatchNorm): blocks of channels
+(``tuning.channel_block``) walked sample by sample, so that the planes read in a row
+(n, c0..c0+cb) are adjacent in memory (a channel alone would restart the hardware
+prefetcher at every plane); per-channel statistics, then the block normalized from
+L2/L3.
+
+Backward (see ``stores.dx_rows_planes``): per plane the sums ``sg = sum(g)`` and
+``sgx = sum(g * xhat)`` (dbias and dweight before the sum over n, written per (n, c) so
+no two iterations write the same memory), then per unit ``c_var = sum(w * sgx) / count``,
+``c_mean = sum(w * sg) / count`` (0 without centering; both 0 for fixed statistics).
+
+Arguments are grouped: ``stats = (mean, rstd, var)`` per unit, read (``fixed``) or
+written; ``sums = (sg, sgx)``: (N, C); ``out = (stream, ahead)`` as in ``rows``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+from numba.extending import register_jitable
+
+from normkit.backends.cpu.half import accumulate, like, load
+from normkit.backends.cpu.moments import plane_merge
+from normkit.backends.cpu.rows import JIT
+from normkit.backends.cpu.stores import fence, store_affine_scalar, store_dx_rows_planes
+
+__all__ = ["channels_backward", "channels_forward", "planes_backward", "planes_forward"]
+
+
+@register_jitable
+def _plane_ahead(a, n, c, ahead, first, last):
+    """The plane ``ahead`` planes after a[n, c] (a: (N, C, S), planes counted n * C + c)
+    if it lies in [first, last] (the next units of this thread's range), else an empty
+    one."""
+    f = n * a.shape[1] + c + ahead
+    if f < first or f > last:
+        return a[0, 0, :0]
+    return a[f // a.shape[1], f % a.shape[1]]
+
+
+@register_jitable
+def _plane_sums(gb, xb, mu, rs, sdt):
+    """(sum(g), sum(g * xhat)) over one plane, xhat = (x - mu) * rs."""
+    sg = like(sdt, 0.0)
+    sgx = like(sdt, 0.0)
+    for i in range(xb.shape[0]):
+        gi = load(gb, i)
+        sg = accumulate(sg, gi)
+        sgx = accumulate(sgx, gi * ((load(xb, i) - mu) * rs))
+    return sg, sgx
+
+
+@njit(**JIT)
+def planes_forward(x, y, w, b, eps, groups, fixed, stats, out, lo, hi):
+    """Instance/GroupNorm: normalize the units [lo, hi) (sample, group) of x: (N, C, S),
+    C/groups adjacent planes each; stats per unit, (N * groups,)."""
+    mean, rstd, var = stats
+    stream, ahead = out
+    n_, c_, s_ = x.shape
+    cg = c_ // groups
+    inv_s = like(mean, 1.0 / s_)
+    for u in range(lo, hi):
+        n, c0 = u // groups, (u % groups) * cg
+        x0 = load(x[n, c0], 0)                                     # shift of the unit
+        if fixed:
+            mean_x0, rs = like(mean, mean[u] - x0), rstd[u]
+        else:
+            count, mean64, m2 = 0.0, 0.0, 0.0                      # float64 merge
+            for c in range(c0, c0 + cg):
+                count, mean64, m2 = plane_merge(x[n, c], x0, inv_s, mean, count, mean64, m2)
+            v = m2 / count
+            mean_x0 = like(mean, mean64)
+            rs = like(mean, 1.0 / math.sqrt(v + eps))
+            mean[u], rstd[u], var[u] = x0 + mean64, rs, v
+        for c in range(c0, c0 + cg):                               # unit still in L2
+            ahead_plane = _plane_ahead(x, n, c, ahead, n * c_ + c0 + cg, hi * cg - 1)
+            store_affine_scalar(y[n, c], (x[n, c],), (x0, mean_x0, rs * w[c], b[c]),
+                                (ahead_plane,), stream)
+    if stream:
+        fence()
+
+
+@njit(**JIT)
+def planes_backward(g, x, w, stats, groups, center, fixed, dx, sums, out, lo, hi):
+    """Instance/GroupNorm: dx of the units [lo, hi) of x, g: (N, C, S); stats =
+    (mean, rstd) per unit; sums = (sg, sgx) written per plane."""
+    mean, rstd = stats
+    sg, sgx = sums
+    stream, ahead = out
+    n_, c_, s_ = x.shape
+    cg = c_ // groups
+    count = cg * s_
+    for u in range(lo, hi):
+        n, c0 = u // groups, (u % groups) * cg
+        mu, rs = mean[u], rstd[u]
+        wsgx, wsg = 0.0, 0.0
+        for c in range(c0, c0 + cg):
+            a, q = _plane_sums(g[n, c], x[n, c], mu, rs, mean)
+            sg[n, c], sgx[n, c] = a, q
+            wsgx += w[c] * q
+            wsg += w[c] * a
+        c_var = like(mean, 0.0 if fixed else wsgx / count)
+        c_mean = like(mean, wsg / count if center and not fixed else 0.0)
+        for c in range(c0, c0 + cg):                               # unit still in L2
+            first, last = n * c_ + c0 + cg, hi * cg - 1
+            ahead_planes = (_plane_ahead(g, n, c, ahead, first, last),
+                            _plane_ahead(x, n, c, ahead, first, last))
+            store_dx_rows_planes(dx[n, c], (g[n, c], x[n, c]), (w[c], mu, rs, c_var, c_mean),
+                                 ahead_planes, stream)
+    if stream:
+        fence()
+
+
+@njit(**JIT)
+def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, lo, hi):
+    """BatchNorm: the channels [lo, hi) of x: (N, C, S) in blocks of ``block``: plane
+    moments by two-pass for the first sample, shifted by the running channel mean for
+    the others, Chan-merged per channel, then the block normalized from L2/L3. stats
+    per channel, (C,)."""
+    mean, rstd, var = stats
+    n_, c_, s_ = x.shape
+    inv_s = like(mean, 1.0 / s_)
+    mean64 = np.empty(block)                                       # channel mean - x0
+    m2 = np.empty(block)                                           # channel M2
+    mean_x0 = np.empty(block, dtype=mean.dtype)                    # channel mean - x0
+    for c0 in range(lo, hi, block):
+        c1 = min(hi, c0 + block)
+        if fixed:
+            for c in range(c0, c1):
+                mean_x0[c - c0] = mean[c] - load(x[0, c], 0)
+        else:
+            mean64[:] = 0.0
+            m2[:] = 0.0
+            for n in range(n_):                                    # the block's planes in a row
+                for c in range(c0, c1):                            # x[0, c, 0]: the shift
+                    _, mean64[c - c0], m2[c - c0] = plane_merge(
+                        x[n, c], load(x[0, c], 0), inv_s, mean, n * s_, mean64[c - c0],
+                        m2[c - c0])
+            for c in range(c0, c1):
+                v = m2[c - c0] / (n_ * s_)
+                mean_x0[c - c0] = mean64[c - c0]
+                rstd[c] = 1.0 / math.sqrt(v + eps)
+                mean[c], var[c] = load(x[0, c], 0) + mean64[c - c0], v
+        for n in range(n_):                                        # block from L2/L3
+            for c in range(c0, c1):
+                store_affine_scalar(y[n, c], (x[n, c],),
+                                    (load(x[0, c], 0), mean_x0[c - c0], rstd[c] * w[c], b[c]),
+                                    (x[0, 0, :0],), stream)
+    if stream:
+        fence()
+
+
+@njit(**JIT)
+def channels_backward(g, x, w, stats, block, center, fixed, dx, sums, stream, lo, hi):
+    """BatchNorm backward: the channels [lo, hi) of x, g: (N, C, S) in blocks, walked
+    sample by sample as ``channels_forward`` does: per-plane sums, the channel's
+    coefficients, then dx from L2/L3. stats = (mean, rstd) per channel."""
+    mean, rstd = stats
+    sg, sgx = sums
+    n_, c_, s_ = x.shape
+    c_var = np.empty(block, dtype=mean.dtype)
+    c_mean = np.empty(block, dtype=mean.dtype)
+    count = n_ * s_
+    for c0 in range(lo, hi, block):
+        c1 = min(hi, c0 + block)
+        for n in range(n_):                                        # the block's planes in a row
+            for c in range(c0, c1):
+                sg[n, c], sgx[n, c] = _plane_sums(g[n, c], x[n, c], mean[c], rstd[c], mean)
+        for c in range(c0, c1):
+            tgx, tg = 0.0, 0.0
+            for n in range(n_):
+                tgx += sgx[n, c]
+                tg += sg[n, c]
+            c_var[c - c0] = 0.0 if fixed else w[c] * tgx / count
+            c_mean[c - c0] = w[c] * tg / count if center and not fixed else 0.0
+        for n in range(n_):                                        # block from L2/L3
+            for c in range(c0, c1):
+                store_dx_rows_planes(dx[n, c], (g[n, c], x[n, c]),
+                                     (w[c], mean[c], rstd[c], c_var[c - c0], c_mean[c - c0]),
+                                     (x[0, 0, :0], x[0, 0, :0]), stream)
+    if stream:
+        fence()

@@ -1,0 +1,101 @@
+"""LayerNorm / RMSNorm on a contiguous (M, K) view: one row per iteration.
+
+Forward: two passes over the row while it sits in L1 (the mean of ``x - x0``, then the
+squared deviations from it; ``x0`` the row's first element, so the shifted values are
+exact for data far from zero with a small spread), a third writes y. Without centering
+(RMSNorm) mean = 0 and var = mean(x^2).
+
+Backward: the rows split in one chunk per thread, each chunk keeping its own partial
+dweight/dbias (summed by the caller), so no two iterations write the same memory::
+
+    xhat   = (x - mean) * rstd
+    c_var  = mean(g * w * xhat)          (the path through the variance)
+    c_mean = mean(g * w)                 (the path through the mean; 0 without centering)
+    dx     = (g * w - c_mean - xhat * c_var) * rstd
+    dweight = sum(g * xhat),  dbias = sum(g)
+
+While writing row r's output, the float32/float64 kernels prefetch row r + ahead
+(``tuning.rows_ahead``), spread over the output pass (``stores``).
+
+Arguments are grouped: ``stats = (mean, rstd, var)`` (M,) arrays of the statistics dtype
+(float32; float64 for float64 input), ``out = (stream, ahead)``: stream the output
+(``tuning.stream_out``), rows ahead to prefetch (0: none).
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import njit
+
+from normkit.backends.cpu.half import accumulate, like, load
+from normkit.backends.cpu.moments import two_pass
+from normkit.backends.cpu.stores import fence, store_affine_per_element, store_dx_rows_planes
+
+JIT = dict(cache=True, nogil=True)
+
+__all__ = ["rows_backward", "rows_forward"]
+
+
+@njit(**JIT)
+def rows_forward(x, y, w, b, eps, center, stats, out, lo, hi):
+    """y = (x - mean) * rstd * w + b for the rows [lo, hi) of x, y: (M, K) storage;
+    w, b: (K,) statistics dtype; stats = (mean, rstd, var) written."""
+    mean, rstd, var = stats
+    stream, ahead = out
+    m, k = x.shape
+    inv_k = like(mean, 1.0 / k)
+    for r in range(lo, hi):
+        xr = x[r]                                                  # K
+        ahead_row = x[r + ahead] if ahead and r + ahead < hi else xr[:0]
+        x0 = load(xr, 0) if center else like(mean, 0.0)            # the row's shift
+        mean_x0, q = two_pass(xr, x0, inv_k, mean, center)         # mean - x0, M2
+        v = q * inv_k
+        rs = like(mean, 1.0 / math.sqrt(v + eps))
+        mean[r] = x0 + mean_x0
+        rstd[r] = rs
+        var[r] = v
+        store_affine_per_element(y[r], (xr, w, b), (x0, mean_x0, rs), (ahead_row,), stream)
+    if stream:
+        fence()
+
+
+@njit(**JIT)
+def rows_backward(g, x, w, stats, center, dx, partials, out, lo, hi):
+    """dx of the row chunks [lo, hi) (chunk t: rows [t*len, (t+1)*len), len =
+    ceil(M / chunks)); g, x, dx: (M, K); stats = (mean, rstd); partials = (dw, db):
+    (chunks, K), zero on entry, chunk t's sums of g*xhat and g."""
+    mean, rstd = stats
+    dwp, dbp = partials
+    stream, ahead = out
+    m, k = x.shape
+    chunks = dwp.shape[0]
+    chunk = (m + chunks - 1) // chunks
+    inv_k = like(mean, 1.0 / k)
+    for t in range(lo, hi):
+        dwt = dwp[t]                                               # K
+        dbt = dbp[t]                                               # K
+        r_end = min(m, (t + 1) * chunk)
+        for r in range(t * chunk, r_end):
+            xr, gr = x[r], g[r]                                    # K each
+            if ahead and r + ahead < r_end:
+                ahead_rows = (g[r + ahead], x[r + ahead])
+            else:
+                ahead_rows = (gr[:0], xr[:0])
+            mu, rs = mean[r], rstd[r]
+            c_var = like(mean, 0.0)
+            c_mean = like(mean, 0.0)
+            for i in range(k):
+                gi = load(gr, i)
+                xh = (load(xr, i) - mu) * rs
+                dxh = gi * w[i]
+                c_var = accumulate(c_var, dxh * xh)
+                c_mean = accumulate(c_mean, dxh)
+                dwt[i] += gi * xh
+                dbt[i] += gi
+            c_var *= inv_k
+            c_mean = c_mean * inv_k if center else like(mean, 0.0)
+            store_dx_rows_planes(dx[r], (gr, xr, w), (mu, rs, c_var, c_mean), ahead_rows,
+                                 stream)                           # x, g from L1/L2
+    if stream:
+        fence()

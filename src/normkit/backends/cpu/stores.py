@@ -1,0 +1,279 @@
+"""Output stores: every output formula written once, stored plainly or streamed.
+
+An output of the kernels is ``dst[i] = formula(a_1[i], .., a_n[i], s_1, .., s_m)`` over a
+contiguous span, for arrays ``a`` and scalars ``s``. Each formula is a plain Python
+function of numbers (the five below). ``span_store(formula)`` makes from it the one
+driver every kernel calls, ``store(dst, arrays, scalars, prefetch, stream)``:
+
+* plain: a loop of ``half.store(dst, i, formula(half.load(a, i).., s..))``, which LLVM
+  vectorizes;
+* streamed (``stream`` true, float32/float64 only): the same formula evaluated on whole
+  64-byte vectors and stored with LLVM's ``!nontemporal`` (``vmovntps``/``vmovntpd``),
+  plain stores at the unaligned ends. The vector code is built by calling the *same*
+  Python function on LLVM values (``_Values``: one IR instruction per operator, in the
+  order Python evaluates them, no contraction into FMAs), so it performs the same IEEE
+  operations in the same order as the plain loop: the same bits;
+* prefetch: for float32/float64 the span is written in pieces of
+  ``tuning.PREFETCH_PIECE`` elements, each followed by a prefetch into L2 of the same
+  piece of the arrays in ``prefetch`` (a row or plane ahead; empty arrays: none).
+
+Half precision always takes the plain loop over the whole span, unchunked: its pace is
+the conversion in registers, chunking cost it, and it compiles nothing more.
+
+A kernel that streamed anything calls ``fence()`` before it returns: non-temporal stores
+are weakly ordered.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils
+from numba.core import types as nbt
+from numba.extending import intrinsic, overload, register_jitable
+
+from normkit.backends.cpu.half import is_half, load, store
+from normkit.backends.cpu.tuning import PREFETCH_PIECE
+
+__all__ = ["affine_per_channel", "affine_per_element", "affine_scalar", "dx_per_channel",
+           "dx_rows_planes", "fence", "prefetch", "span_store"]
+
+
+# ---- the output formulas ----------------------------------------------------------------
+
+def affine_per_element(x, w, b, x0, mean_x0, rstd):
+    """Rows forward: ``y = ((x - x0) - (mean - x0)) * (rstd * w) + b`` (x0 the row's
+    shift, w and b per element)."""
+    return ((x - x0) - mean_x0) * (rstd * w) + b
+
+
+def affine_scalar(x, x0, mean_x0, scale, shift):
+    """NCHW planes forward: ``y = ((x - x0) - (mean - x0)) * scale + shift`` with
+    ``scale = rstd * w[c]`` and ``shift = b[c]`` of the plane's channel."""
+    return ((x - x0) - mean_x0) * scale + shift
+
+
+def affine_per_channel(x, mean, scale, shift):
+    """channels_last forward: ``y = (x - mean) * scale + shift``, all per-channel rows.
+    (Folding the mean into the shift would round ``x * scale`` at the scale of the
+    offset: 1.5 ulps of the input at an offset of 1e3, against 0.5.)"""
+    return (x - mean) * scale + shift
+
+
+def dx_rows_planes(g, x, w, mean, rstd, c_var, c_mean):
+    """Rows and NCHW planes backward, ``w`` per element (rows) or the plane's ``w[c]``::
+
+        xhat = (x - mean) * rstd
+        dx   = (g * w - c_mean - xhat * c_var) * rstd
+
+    with ``c_var = mean(g * w * xhat)`` and ``c_mean = mean(g * w)`` over the group."""
+    return (g * w - c_mean - ((x - mean) * rstd) * c_var) * rstd
+
+
+def dx_per_channel(g, x, mean, scale_g, scale_x, offset):
+    """channels_last backward, the same dx with its coefficients per (n, c) folded::
+
+        dx = g * scale_g - (x - mean) * scale_x - offset
+        scale_g = rstd * w,  scale_x = rstd^2 * c_var,  offset = rstd * c_mean
+    """
+    return g * scale_g - (x - mean) * scale_x - offset
+
+
+# ---- streamed (non-temporal) stores -----------------------------------------------------
+
+class _Values:
+    """LLVM values (scalars or vectors) under Python's arithmetic operators: a formula
+    called on these builds one IR instruction per operator, in evaluation order."""
+
+    def __init__(self, builder, value):
+        self.builder, self.value = builder, value
+
+    def _op(self, other, name):
+        return _Values(self.builder, getattr(self.builder, name)(self.value, other.value))
+
+    def __add__(self, other):
+        return self._op(other, "fadd")
+
+    def __sub__(self, other):
+        return self._op(other, "fsub")
+
+    def __mul__(self, other):
+        return self._op(other, "fmul")
+
+
+def _streamed_codegen(formula, n_arrays, n_scalars):
+    """Codegen of ``streamed(dst, arrays, scalars)``: dst[i] = formula(arrays[i].., scalars..)
+    for contiguous 1-d arrays of one float dtype and length, the 64-byte-aligned interior
+    of dst in vectors with non-temporal stores, the unaligned ends element by element with
+    plain ones."""
+    def codegen(context, builder, sig, args):
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        dst_t, arrays_t = sig.args[0], sig.args[1]
+        dst = context.make_array(dst_t)(context, builder, args[0])
+        arrays = [context.make_array(t)(context, builder, v) for t, v in
+                  zip(arrays_t.types, cgutils.unpack_tuple(builder, args[1], n_arrays))]
+        scalars = cgutils.unpack_tuple(builder, args[2], n_scalars)
+        out, srcs = dst.data, [a.data for a in arrays]
+        dty = context.get_data_type(dst_t.dtype)
+        size = context.get_abi_sizeof(dty)
+        lanes = 64 // size
+        n = builder.extract_value(dst.shape, 0)
+
+        def compute(vals, scals):
+            return formula(*(_Values(builder, v) for v in (*vals, *scals))).value
+
+        def one_by_one(start, count):
+            with cgutils.for_range(builder, count) as loop:
+                i = builder.add(start, loop.index)
+                vals = [builder.load(builder.gep(p, [i])) for p in srcs]
+                builder.store(compute(vals, scalars), builder.gep(out, [i]))
+
+        head = builder.and_(builder.neg(builder.ptrtoint(out, i64)), ir.Constant(i64, 63))
+        head = builder.udiv(head, ir.Constant(i64, size))         # elements to alignment
+        head = builder.select(builder.icmp_unsigned("<", head, n), head, n)
+        one_by_one(ir.Constant(i64, 0), head)
+        vt = ir.VectorType(dty, lanes)
+        zeros = ir.Constant(ir.VectorType(i32, lanes), None)
+
+        def splat(v):
+            v = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(i32, 0))
+            return builder.shuffle_vector(v, v, zeros)
+        vscalars = [splat(v) for v in scalars]
+        nontemporal = builder.module.add_metadata([ir.Constant(i32, 1)])
+        blocks = builder.udiv(builder.sub(n, head), ir.Constant(i64, lanes))
+        with cgutils.for_range(builder, blocks) as loop:
+            off = builder.add(head, builder.mul(loop.index, ir.Constant(i64, lanes)))
+            vals = [builder.load(builder.bitcast(builder.gep(p, [off]), vt.as_pointer()),
+                                 align=size) for p in srcs]
+            st = builder.store(compute(vals, vscalars),
+                               builder.bitcast(builder.gep(out, [off]), vt.as_pointer()),
+                               align=64)
+            st.set_metadata("nontemporal", nontemporal)
+        done = builder.add(head, builder.mul(blocks, ir.Constant(i64, lanes)))
+        one_by_one(done, builder.sub(n, done))
+        return context.get_dummy_value()
+    return codegen
+
+
+def _streamed(formula):
+    """The intrinsic ``streamed(dst, arrays, scalars)`` of ``formula``: typed only for
+    contiguous 1-d float32 or float64 arrays of one dtype (the scalars cast to it)."""
+    @intrinsic
+    def streamed(typingctx, dst, arrays, scalars):
+        if not (isinstance(arrays, nbt.BaseTuple) and isinstance(scalars, nbt.BaseTuple)):
+            return None
+        every = (dst, *arrays.types)
+        if not all(isinstance(a, nbt.Array) and a.ndim == 1 and a.layout == "C"
+                   and a.dtype == dst.dtype for a in every):
+            return None
+        if dst.dtype not in (nbt.float32, nbt.float64):
+            return None
+        sig = nbt.none(dst, arrays, nbt.Tuple([dst.dtype] * len(scalars)))
+        return sig, _streamed_codegen(formula, len(arrays), len(scalars))
+    return streamed
+
+
+@intrinsic
+def fence(typingctx):
+    """A full memory fence (``mfence``): orders the non-temporal stores before it with
+    whatever the thread does next."""
+    def codegen(context, builder, sig, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+    return nbt.none(), codegen
+
+
+# ---- prefetch -------------------------------------------------------------------------
+
+@intrinsic
+def prefetch(typingctx, a, i):
+    """Ask for the cache line of ``a[i]`` to be brought into L2 (LLVM ``llvm.prefetch``,
+    read, locality 2: ``prefetcht1`` on x86); a hint, with no effect on any value."""
+    if not (isinstance(a, nbt.Array) and a.ndim == 1 and isinstance(i, nbt.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        ptr = builder.bitcast(builder.gep(arr.data, [args[1]]), i8p)
+        fn = builder.module.declare_intrinsic(
+            "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return nbt.none(a, i), codegen
+
+
+@register_jitable
+def _prefetch_lines(a, i0, i1):
+    """``prefetch`` the cache lines of a[i0:i1] (clipped to a)."""
+    for i in range(i0, min(i1, a.shape[0]), max(1, 64 // a.itemsize)):
+        prefetch(a, i)
+
+
+# ---- tuples of arrays, element by element -----------------------------------------------
+
+def _load_each(arrays, i):
+    """``(load(a, i) for a in arrays)`` as a tuple."""
+
+
+def _slice_each(arrays, i0, i1):
+    """``(a[i0:i1] for a in arrays)`` as a tuple."""
+
+
+@overload(_load_each)
+def _load_each_impl(arrays, i):
+    if len(arrays) == 0:
+        return lambda arrays, i: ()
+    return lambda arrays, i: (load(arrays[0], i),) + _load_each(arrays[1:], i)
+
+
+@overload(_slice_each)
+def _slice_each_impl(arrays, i0, i1):
+    if len(arrays) == 0:
+        return lambda arrays, i0, i1: ()
+    return lambda arrays, i0, i1: (arrays[0][i0:i1],) + _slice_each(arrays[1:], i0, i1)
+
+
+# ---- the one driver ---------------------------------------------------------------------
+
+def span_store(formula):
+    """The driver ``store(dst, arrays, scalars, prefetch, stream)`` of ``formula`` (a
+    jitable function): ``dst[i] = formula(*arrays[i], *scalars)`` over a span, streamed
+    when ``stream``, with the lines of each array of the tuple ``prefetch`` fetched piece
+    by piece meanwhile (see the module docstring)."""
+    register_jitable(formula)
+    streamed = _streamed(formula)
+
+    @register_jitable
+    def plain(dst, arrays, scalars):
+        for i in range(dst.shape[0]):
+            store(dst, i, formula(*(_load_each(arrays, i) + scalars)))
+
+    def driver(dst, arrays, scalars, prefetch, stream):
+        """``formula`` stored over dst."""
+
+    @overload(driver)
+    def _driver_impl(dst, arrays, scalars, prefetch, stream):
+        if is_half(dst):
+            return lambda dst, arrays, scalars, prefetch, stream: plain(dst, arrays, scalars)
+
+        def pieces(dst, arrays, scalars, prefetch, stream):
+            for i0 in range(0, dst.shape[0], PREFETCH_PIECE):
+                i1 = min(dst.shape[0], i0 + PREFETCH_PIECE)
+                if stream:
+                    streamed(dst[i0:i1], _slice_each(arrays, i0, i1), scalars)
+                else:
+                    plain(dst[i0:i1], _slice_each(arrays, i0, i1), scalars)
+                for a in prefetch:
+                    _prefetch_lines(a, i0, i1)
+        return pieces
+
+    driver.__name__ = driver.__qualname__ = f"store_{formula.__name__}"
+    driver.__doc__ = f"``{formula.__name__}`` stored over a span: see ``span_store``."
+    return driver
+
+
+store_affine_per_element = span_store(affine_per_element)
+store_affine_scalar = span_store(affine_scalar)
+store_affine_per_channel = span_store(affine_per_channel)
+store_dx_rows_planes = span_store(dx_rows_planes)
+store_dx_per_channel = span_store(dx_per_channel)

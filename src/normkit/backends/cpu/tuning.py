@@ -1,0 +1,117 @@
+"""Every tuning number of the CPU kernels, each with its reason, and the rules built on them.
+
+None of these changes a result: thresholds and block sizes chosen either way give the
+same values (the tests run both sides of each), only the time changes. The measurements
+behind each number are in ``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from normkit.backends import _memory
+
+# ---- threads --------------------------------------------------------------------------
+
+#: elements: a smaller input runs on the calling thread only, because handing a range to
+#: another thread costs more than the work saves
+SERIAL_BELOW = 1 << 16
+
+
+def threads(x) -> int:
+    """Ranges (threads) to split the work on ``x`` into: torch's thread count, or 1."""
+    return 1 if x.numel() < SERIAL_BELOW else max(1, torch.get_num_threads())
+
+
+def parts(n, s, threads):
+    """Ranges of the S positions per sample (channels_last kernels), so that there are
+    at least two work items per thread even when N is small."""
+    return max(1, min(s, -(-2 * threads // n)))
+
+
+# ---- streaming stores -----------------------------------------------------------------
+
+def last_level_cache_bytes(default=32 << 20):
+    """The largest CPU cache's size (Linux sysfs), else ``default``."""
+    sizes = []
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in os.listdir(base):
+            if entry.startswith("index"):
+                with open(os.path.join(base, entry, "size")) as f:
+                    text = f.read().strip()
+                scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+                sizes.append(int(text.rstrip("KMG")) * scale)
+    except (OSError, ValueError):
+        return default
+    return max(sizes, default=default)
+
+
+#: bytes: an output at least this large is out of cache by the end of the op anyway, so
+#: it is worth writing around the cache
+STREAM_BYTES = last_level_cache_bytes()
+
+
+def stream_out(t) -> bool:
+    """Whether a kernel writes its output ``t`` with non-temporal (streaming) stores.
+
+    A plain store first reads the destination line into the cache; a streaming store
+    skips that read, a third of the traffic of a one-input elementwise op. So a float32
+    or float64 output of at least ``STREAM_BYTES`` streams when its memory is already
+    mapped (``_memory.resident``: a block the allocator reuses). A freshly mapped output
+    is different: each page is zeroed as it faults in, which leaves its lines in cache,
+    and there plain stores measured faster. Half-precision outputs store plainly: their
+    kernels' pace is the conversion in registers, not the memory."""
+    return (t.element_size() >= 4 and t.numel() * t.element_size() >= STREAM_BYTES
+            and _memory.resident(t))
+
+
+# ---- prefetching ahead (rows and NCHW planes) -------------------------------------------
+
+#: bytes: how far ahead the rows and planes kernels prefetch while writing an output. A
+#: row (plane) is read from memory once and then worked on in L1, with no miss in flight,
+#: and the hardware prefetcher stops at each 4 KiB page: this keeps memory busy meanwhile
+AHEAD_BYTES = 8 << 10
+
+#: elements: the output of a row or plane is written in pieces of this many, each followed
+#: by the prefetch of the same piece ahead (spread out: a whole row at once gained nothing)
+PREFETCH_PIECE = 512
+
+
+def rows_ahead(k, itemsize):
+    """Rows (or planes of k elements) ahead to prefetch: about ``AHEAD_BYTES``, at least
+    the next one, for float32/float64; 0 (none) for half precision, whose pace is the
+    conversion in registers (prefetching measured slower there)."""
+    if itemsize < 4:
+        return 0
+    return max(1, AHEAD_BYTES // (k * itemsize))
+
+
+# ---- blocks ---------------------------------------------------------------------------
+
+#: bytes of x per block of channels of BatchNorm on NCHW: the block is normalized (or its
+#: dx written) right after its statistics, so it should still be in the last-level cache
+CHANNEL_BLOCK_BYTES = 4 << 20
+
+
+def channel_block(channel_bytes):
+    """Channels per block of the NCHW BatchNorm kernels: about ``CHANNEL_BLOCK_BYTES``."""
+    return max(1, CHANNEL_BLOCK_BYTES // channel_bytes)
+
+
+#: bytes of rows per block of lane sums (channels_last reductions): the block's first
+#: pass is read again from L2 (for the block's own mean), so it must fit there
+BLOCK_BYTES = 256 * 1024
+
+#: elements per run of lanes (channels_last reductions): a run of rows is read into this
+#: many accumulators, one sequential stream per input; longer runs (more lanes) crowd L1
+RUN_LANES = 512
+
+
+def cl_blocks(c, itemsize):
+    """Rows of C channels per block of lane sums (about ``BLOCK_BYTES``) and per run of
+    lanes (about ``RUN_LANES`` elements); the block is a whole number of runs."""
+    run = max(1, RUN_LANES // c)
+    return max(1, BLOCK_BYTES // (c * itemsize) // run) * run, run

@@ -1,0 +1,78 @@
+"""``normkit.backends.cpu.channels_last``: Batch/Instance/GroupNorm on channels_last (and
+BatchNorm of (N, C), one position per channel) against torch and the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("numba")
+
+import _cpu_cases as cases  # noqa: E402
+from _cpu_cases import DTYPES, NCHW_SHAPES, threaded  # noqa: E402,F401 -- fixture by name
+from normkit.backends.cpu import tuning  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("threaded")
+
+CL = "channels_last"
+
+
+@pytest.mark.parametrize("check", [cases.check_group_norm, cases.check_batch_norm_training,
+                                   cases.check_instance_norm], ids=lambda f: f.__name__[6:])
+@pytest.mark.parametrize("shape,dtype", cases.cases(NCHW_SHAPES, CL), ids=str)
+def test_against_torch_and_reference(check, shape, dtype):
+    check(shape, CL, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batch_norm_training_of_rows(dtype):
+    # (N, C): a contiguous tensor whose view (N, C, 1) is a run of rows of C channels
+    cases.check_batch_norm_training((7, 6), "contiguous", dtype)
+
+
+@pytest.mark.parametrize("shape,dtype", cases.cases(NCHW_SHAPES[:2], CL), ids=str)
+def test_batch_norm_eval(shape, dtype):
+    cases.check_batch_norm_eval(shape, CL, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_instance_norm_fixed_statistics(dtype):
+    cases.check_instance_norm_fixed_statistics(NCHW_SHAPES[0], CL, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["batch", "group", "instance"])
+def test_small_blocks_and_groups(op, dtype, monkeypatch):
+    # tiny blocks (16 rows) read in runs of 2 rows of C: several blocks per range (S = 63:
+    # the last block of 15 rows, a partial run), block-wise flushes in backward
+    monkeypatch.setattr(tuning, "BLOCK_BYTES", 200 * dtype.itemsize)
+    monkeypatch.setattr(tuning, "RUN_LANES", 24)
+    shape, c = (3, 12, 7, 9), 12
+    assert tuning.cl_blocks(c, dtype.itemsize) == (16, 2)
+    x, w, b, dy = cases.inputs(shape, dtype, c, CL, offset=3.0)
+    fn, ref = cases.op(op, c)
+    cases.check_against_reference(cases.run(fn, x, w, b, dy), ref, x, w, b, dy, dtype)
+
+
+@pytest.mark.parametrize("offset", [1e3, 3e4])
+def test_group_and_batch_norm_of_data_far_from_zero(offset):
+    cases.check_far_from_zero(CL, offset)
+
+
+@pytest.mark.parametrize("case", ["outlier_first", "ramp"])
+def test_shifted_sums_stay_accurate(case, monkeypatch):
+    if case == "ramp":                      # blocks of 8 rows (runs of 2): 288 per sample
+        monkeypatch.setattr(tuning, "RUN_LANES", 2 * 16)
+        monkeypatch.setattr(tuning, "BLOCK_BYTES", 8 * 16 * 4)
+    cases.check_shifted_sums(CL, case)
+
+
+def test_batch_norm_expanded_grad_and_no_affine():
+    import normkit.functional as NF
+
+    x = torch.randn(4, 8, 6, 5).to(memory_format=torch.channels_last).requires_grad_(True)
+    NF.batch_norm(x, None, None, training=True).sum().backward()
+    xr = x.detach().clone().requires_grad_(True)
+    F.batch_norm(xr, None, None, training=True).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)

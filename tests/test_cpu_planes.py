@@ -1,0 +1,79 @@
+"""``normkit.backends.cpu.planes``: Batch/Instance/GroupNorm on contiguous NCHW against
+torch and the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+import _cpu_cases as cases  # noqa: E402
+from _cpu_cases import DTYPES, NCHW_SHAPES, threaded  # noqa: E402,F401 -- fixture by name
+from normkit.backends.cpu import tuning  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("threaded")
+
+
+def _nchw(shapes):
+    # contiguous shapes with more than one position per plane
+    return cases.cases(shapes, "contiguous")
+
+
+@pytest.mark.parametrize("check", [cases.check_group_norm, cases.check_batch_norm_training,
+                                   cases.check_instance_norm], ids=lambda f: f.__name__[6:])
+@pytest.mark.parametrize("shape,dtype", _nchw(NCHW_SHAPES), ids=str)
+def test_against_torch_and_reference(check, shape, dtype):
+    check(shape, "contiguous", dtype)
+
+
+@pytest.mark.parametrize("shape,dtype", _nchw(NCHW_SHAPES[:2]), ids=str)
+def test_batch_norm_eval(shape, dtype):
+    cases.check_batch_norm_eval(shape, "contiguous", dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_instance_norm_fixed_statistics(dtype):
+    cases.check_instance_norm_fixed_statistics(NCHW_SHAPES[0], "contiguous", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_small_channel_blocks(training, dtype, monkeypatch):
+    # blocks of 2 channels in forward and backward (C = 7 over 3 threads: ranges of 3,
+    # 2, 2, the first one ending in a partial block), every block walked sample by
+    # sample: the same bits as one block per range, and right
+    import normkit.functional as NF
+
+    shape, c = (5, 7, 4, 6), 7
+    x, w, b, dy = cases.inputs(shape, dtype, c, offset=2.5)
+    rm = torch.randn(c, dtype=torch.float64).to(dtype)
+    rv = (torch.rand(c, dtype=torch.float64) + 0.5).to(dtype)
+
+    def fn(x, w, b):
+        return NF.batch_norm(x, rm.clone(), rv.clone(), w, b, training=training)
+
+    results = {}
+    for block in (2, 1 << 20):
+        monkeypatch.setattr(tuning, "channel_block", lambda channel_bytes, b=block: b)
+        results[block] = cases.run(fn, x, w, b, dy)
+    cases.same_bits(results[2], results[1 << 20], "blocks of 2 channels")
+    cases.check_against_reference(
+        results[2], lambda x, w, b: cases.reference.batch_norm_forward(
+            x, cases.np64(rm), cases.np64(rv), w, b, training), x, w, b, dy, dtype)
+
+
+@pytest.mark.parametrize("offset", [1e3, 3e4])
+def test_group_and_batch_norm_of_data_far_from_zero(offset):
+    cases.check_far_from_zero("contiguous", offset)
+
+
+@pytest.mark.parametrize("case", ["outlier_first", "ramp"])
+def test_shifted_sums_stay_accurate(case):
+    cases.check_shifted_sums("contiguous", case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["group", "instance"])
+def test_prefetch_changes_nothing(op, dtype, monkeypatch):
+    cases.check_prefetch_changes_nothing(op, dtype, monkeypatch)

@@ -1,0 +1,113 @@
+"""``normkit.backends.cpu.stores``: streamed stores and prefetch never change a bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+import _cpu_cases as cases  # noqa: E402
+from _cpu_cases import DTYPES, threaded  # noqa: E402,F401 -- fixture by name
+from numba import errors, njit  # noqa: E402
+from normkit.backends.cpu import stores, tuning  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("threaded")
+
+
+@njit
+def _store(kind, dst, xs, gs, ws, bs, scalars, prefetch, stream):
+    """Each formula through its driver, the way the kernels call it."""
+    a, b, c, d = scalars
+    if kind == 0:
+        stores.store_affine_per_element(dst, (xs, ws, bs), (a, b, c), prefetch, stream)
+    elif kind == 1:
+        stores.store_affine_scalar(dst, (xs,), (a, b, c, d), prefetch, stream)
+    elif kind == 2:
+        stores.store_affine_per_channel(dst, (xs, gs, ws, bs), (), prefetch, stream)
+    elif kind == 3:                                                # rows: w per element
+        stores.store_dx_rows_planes(dst, (gs, xs, ws), (a, c, b, d), prefetch, stream)
+    elif kind == 4:                                                # planes: w[c]
+        stores.store_dx_rows_planes(dst, (gs, xs), (c, a, b, d, a), prefetch, stream)
+    else:
+        stores.store_dx_per_channel(dst, (gs, xs, ws, bs, gs, xs), (), prefetch, stream)
+    if stream:
+        stores.fence()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.uint16, np.int16], ids=str)
+def test_streamed_and_prefetched_spans_match_the_plain_ones(dtype):
+    # vectors with non-temporal stores (plain stores at the unaligned ends), prefetched
+    # or not: the same bits as the plain loop, for any start and length; half precision
+    # (uint16/int16 bits) takes the plain loop whatever is asked
+    rng = np.random.default_rng(0)
+    if dtype in (np.uint16, np.int16):                             # finite half values
+        x, g = (rng.integers(0x3C00, 0x4400, 1100).astype(dtype) for _ in range(2))
+        w, bb = (rng.standard_normal(1100).astype(np.float32) for _ in range(2))
+        kinds = (1, 4)                                             # x and g in storage
+    else:
+        x, g, w, bb = (rng.standard_normal(1100).astype(dtype) for _ in range(4))
+        kinds = range(6)
+    scalars = tuple(w.dtype.type(v) for v in (0.75, -1.5, 2.25, 0.125))
+    for kind in kinds:
+        for lo in (0, 1, 3, 16, 17):                               # unaligned heads
+            for n in (0, 1, 15, 16, 33, 100, 1000):                # and tails
+                s = slice(lo, lo + n)
+                out = []
+                for stream in (False, True):
+                    for prefetch in (x[:0], x[s]):                 # none, the span itself
+                        dst = np.zeros(1100, dtype)
+                        _store(kind, dst[s], x[s], g[s], w[s], bb[s], scalars, (prefetch,),
+                               stream)
+                        assert not dst[:lo].any() and not dst[lo + n:].any()
+                        out.append(dst.view(np.uint8))
+                for other in out[1:]:
+                    assert np.array_equal(out[0], other), (dtype, kind, lo, n)
+
+
+def test_streamed_stores_reject_other_arrays():
+    @njit
+    def strided(dst, src):
+        stores.store_affine_scalar(dst[::2], (src,), (0.0, 0.0, 1.0, 0.0), (src[:0],), True)
+
+    @njit
+    def mixed(dst, src):
+        stores.store_affine_scalar(dst, (src,), (0.0, 0.0, 1.0, 0.0), (src[:0],), True)
+
+    with pytest.raises(errors.TypingError):
+        strided(np.zeros(8, np.float32), np.zeros(4, np.float32))
+    with pytest.raises(errors.TypingError):
+        mixed(np.zeros(8, np.float32), np.zeros(8, np.float64))
+
+
+STREAM_CASES = [  # op, shape, layout: rows and planes longer than a prefetch piece,
+    # rows of odd byte length (unaligned heads and tails)
+    ("layer", (3, 4099), "contiguous"),
+    ("rms", (5, 3, 777), "contiguous"),
+    ("group", (2, 4, 47, 45), "contiguous"),
+    ("instance", (2, 3, 2111), "contiguous"),
+    ("batch", (3, 5, 41, 53), "contiguous"),
+    ("group", (3, 12, 7, 9), "channels_last"),                     # one sample per thread
+    ("instance", (2, 7, 33, 65), "channels_last"),                 # (n, c) coefficients
+    ("batch", (3, 5, 7, 9), "channels_last"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op,shape,layout", STREAM_CASES, ids=str)
+def test_streamed_outputs(op, shape, layout, dtype, monkeypatch):
+    # y and dx of every kernel family written with non-temporal stores are the same bits
+    # as written plainly, and match the reference; both outputs ask to be streamed
+    c = shape[-1] if op in ("layer", "rms") else shape[1]
+    x, w, b, dy = cases.inputs(shape, dtype, c, layout, offset=1.5)
+    fn, ref = cases.op(op, c)
+    if op == "rms":
+        b = None
+    asked = []
+    monkeypatch.setattr(tuning, "stream_out", lambda t: False)
+    plain = cases.run(fn, x, w, b, dy)
+    monkeypatch.setattr(tuning, "stream_out", lambda t: asked.append(t.shape) or True)
+    streamed = cases.run(fn, x, w, b, dy)
+    assert len(asked) == 2                                         # y, then dx
+    cases.same_bits(plain, streamed, "streamed")
+    cases.check_against_reference(streamed, ref, x, w, b, dy, dtype)

@@ -1,0 +1,84 @@
+"""``normkit.backends.cpu.tuning``: every threshold chosen either way gives the same
+results; the rules keep their stated properties (no constant is pinned here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+import _cpu_cases as cases  # noqa: E402
+from normkit.backends.cpu import tuning  # noqa: E402
+
+OPS = [("layer", (37, 96), "contiguous"), ("rms", (37, 96), "contiguous"),
+       ("group", (3, 6, 9, 11), "contiguous"), ("instance", (3, 6, 9, 11), "contiguous"),
+       ("batch", (3, 6, 9, 11), "contiguous"), ("group", (4, 6, 9, 11), "channels_last"),
+       ("batch", (3, 6, 9, 11), "channels_last")]
+
+
+@pytest.mark.parametrize("op,shape,layout", OPS, ids=str)
+def test_serial_and_threaded_runs_agree(op, shape, layout, monkeypatch):
+    # below SERIAL_BELOW one thread runs everything, above it torch's thread count: the
+    # outputs of independent work items (rows, NCHW units and channels) are the same
+    # bits; partial sums merged in another order agree to rounding
+    c = shape[-1] if op in ("layer", "rms") else shape[1]
+    x, w, b, dy = cases.inputs(shape, torch.float32, c, layout, offset=1.5)
+    fn, ref = cases.op(op, c)
+    if op == "rms":
+        b = None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    results = []
+    for below in (1 << 60, 0):
+        monkeypatch.setattr(tuning, "SERIAL_BELOW", below)
+        results.append(cases.run(fn, x, w, b, dy))
+    serial, threaded = results
+    if layout == "contiguous":
+        assert torch.equal(serial[0], threaded[0])
+    for p, q, name in zip(serial, threaded, ("y", "dx", "dweight", "dbias")):
+        if p is not None:
+            cases.close(cases.np64(q), cases.np64(p), torch.float32, name)
+    cases.check_against_reference(threaded, ref, x, w, b, dy, torch.float32)
+
+
+def test_stream_out_rule(monkeypatch):
+    # float32/float64 outputs from STREAM_BYTES up stream, if their memory is mapped
+    monkeypatch.setattr(tuning, "STREAM_BYTES", 1 << 20)
+    monkeypatch.setattr(tuning._memory, "resident", lambda t: True)
+    assert tuning.stream_out(torch.zeros(1 << 18))                 # 1 MiB of float32
+    assert tuning.stream_out(torch.zeros(1 << 17, dtype=torch.float64))
+    assert not tuning.stream_out(torch.zeros((1 << 18) - 1))
+    assert not tuning.stream_out(torch.zeros(1 << 20, dtype=torch.bfloat16))
+    monkeypatch.setattr(tuning._memory, "resident", lambda t: False)   # freshly mapped
+    assert not tuning.stream_out(torch.zeros(1 << 18))
+    assert tuning.last_level_cache_bytes() > 0
+
+
+@pytest.mark.parametrize("k", [1, 96, 768, 2048, 4096, 56 * 56, 1 << 20])
+def test_rows_ahead_rule(k):
+    # half precision prefetches nothing; float32/float64 at least the next row, and no
+    # further than AHEAD_BYTES unless one row is longer than that
+    assert tuning.rows_ahead(k, 2) == 0
+    for itemsize in (4, 8):
+        ahead = tuning.rows_ahead(k, itemsize)
+        assert ahead >= 1
+        assert ahead == 1 or ahead * k * itemsize <= tuning.AHEAD_BYTES
+
+
+@pytest.mark.parametrize("c", [1, 3, 12, 256, 700, 5000])
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_channels_last_blocks_rule(c, itemsize):
+    # a block is a whole number of runs; a run holds about RUN_LANES elements (at least
+    # one row), a block about BLOCK_BYTES (at least one run)
+    block, run = tuning.cl_blocks(c, itemsize)
+    assert run >= 1 and block >= run and block % run == 0
+    assert run == 1 or run * c <= tuning.RUN_LANES
+    assert block == run or block * c * itemsize <= tuning.BLOCK_BYTES
+
+
+def test_parts_and_channel_block_rules():
+    for n, s, threads in ((1, 100, 2), (2, 1, 8), (64, 50, 2), (3, 7, 16)):
+        parts = tuning.parts(n, s, threads)
+        assert 1 <= parts <= s
+        assert n * parts >= min(2 * threads, n * s)                # work for every thread
+    assert tuning.channel_block(1) >= 1 and tuning.channel_block(1 << 40) == 1
