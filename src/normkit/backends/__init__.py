@@ -17,7 +17,7 @@ described by a ``normkit.grouping.Grouping``:
     ``grouping.param_reduce`` with those dims kept (for the ``dims`` grouping: not summed;
     the caller sums to the parameter's size).
 
-``moments(x, grouping) -> (mean, var)`` (optional)
+``group_moments(x, grouping) -> (mean, var)`` (optional)
     The statistics alone (SyncBatchNorm merges them across processes before it
     normalizes); a backend without it leaves them to ``torch_ops``.
 
@@ -57,10 +57,10 @@ def select(x, grouping, center=True, fixed=False):
     return torch_ops
 
 
-def moments(x, grouping):
+def group_moments(x, grouping):
     """Per-group ``(mean, biased var)`` of the view ``x`` in the statistics dtype, on the
     backend that runs this grouping (``torch_ops`` where it has no moments of its own)."""
-    return getattr(select(x, grouping), "moments", torch_ops.moments)(x, grouping)
+    return getattr(select(x, grouping), "group_moments", torch_ops.group_moments)(x, grouping)
 
 
 # the memory-saving backward of the residual-add norms (normkit.functional.add_layer_norm,

@@ -44,7 +44,7 @@ def compute_stats(xs, grouping, eps, center):
     return mean, var, torch.rsqrt(var + eps)
 
 
-def moments(x, grouping):
+def group_moments(x, grouping):
     """``(mean, var)`` of each group of the view ``x``: biased variance, stat dtype,
     shaped ``grouping.stat_shape`` (zeros for an empty input)."""
     mean, var, _ = compute_stats(x.to(stat_dtype(x.dtype)), grouping, 0.0, True)

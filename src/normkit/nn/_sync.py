@@ -87,7 +87,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         grouping = G.batch(x.shape)
         xv = view_as(x, grouping.view)                                  # N, C, S
         n_local = grouping.group_size
-        mean, var = backends.moments(xv, grouping)                      # 1, C, 1 each
+        mean, var = backends.group_moments(xv, grouping)                # 1, C, 1 each
         # a rank with no samples has zero moments: an exact no-op of the merge
         n, mean64, m264 = gather_moments(n_local, mean.reshape(-1), var.reshape(-1) * n_local,
                                          process_group, world_size)
