@@ -57,7 +57,7 @@ class Branches(nn.Module):
         self.bn_dw = nn.BatchNorm2d(8)
         self.convt = nn.ConvTranspose2d(8, 6, 3, stride=2, groups=2)
         self.conv3 = nn.Conv3d(3, 4, (1, 3, 3), bias=False)
-        self.conv1 = nn.Conv1d(3, 6, 5, padding=2)
+        self.conv1 = nn.Conv1d(3, 6, 5, padding=2, padding_mode="circular")
         self.lin = nn.Linear(12, 6, bias=False)
 
     def forward(self, x, seq, vec, vol):
@@ -185,7 +185,7 @@ def test_unfoldable_batch_norms_are_left_with_the_reason(layers):
         _close(report.model(x), expected, 1e-5)  # bn_train's batch statistics: same batch
 
 
-def test_shared_norm_subclass_hooks_and_mismatch_are_left():
+def test_shared_layers_subclass_hooks_tied_weights_and_unused_are_left():
     class MyBN(nn.BatchNorm2d):
         pass
 
@@ -197,9 +197,14 @@ def test_shared_norm_subclass_hooks_and_mismatch_are_left():
             self.c, self.sub = nn.Conv2d(2, 3, 1), MyBN(3)
             self.d, self.hooked = nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3)
             self.lin, self.bn1 = nn.Linear(2, 3), nn.BatchNorm1d(3)
+            self.e, self.f = nn.Conv2d(2, 3, 1), nn.Conv2d(2, 3, 1)
+            self.f.weight = self.e.weight  # tied weights
+            self.bn_e, self.bn_f = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+            self.unused = nn.BatchNorm2d(3)
 
         def forward(self, x):
             y = self.bn(self.a(x)) + self.bn(self.b(x)) + self.sub(self.c(x))
+            y = y + self.bn_e(self.e(x)) + self.bn_f(self.f(x))
             return y + self.hooked(self.d(x)), self.bn1(self.lin(x.mean((2, 3))))
 
     model = _randomize(Net()).eval()
@@ -209,6 +214,8 @@ def test_shared_norm_subclass_hooks_and_mismatch_are_left():
     assert "called 2 times" in why["bn"]
     assert "not a BatchNorm1d/2d/3d" in why["sub"]
     assert "forward hooks" in why["hooked"]
+    assert "read elsewhere" in why["bn_e"] and "read elsewhere" in why["bn_f"]
+    assert "never calls it" in why["unused"]
     assert [b for b, _, _ in report.folded] == ["bn1"]
 
 

@@ -78,8 +78,9 @@ def _is_batch_norm(module) -> bool:
 
 def _type_name(module) -> str:
     kind = type(module)
-    return f"{kind.__module__.split('.')[0]}.nn.{kind.__name__}" if kind in _FOLDABLE \
-        else kind.__name__
+    if kind in _FOLDABLE:
+        return f"{kind.__module__.split('.')[0]}.nn.{kind.__name__}"
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,7 +208,8 @@ def _why_not(bn, bn_node, root, prefix, calls, paths, tensors_read) -> tuple:
     name = _join(prefix, source.target)
     kind = type(producer).__name__
     if _PRODUCERS[type(producer)] != _FOLDABLE[type(bn)]:
-        return None, None, f"its producer {name!r} is a {kind}, which does not feed a {type(bn).__name__}"
+        return None, None, (f"its producer {name!r} is a {kind}, which does not feed a "
+                            f"{type(bn).__name__}")
     channels = producer.out_features if isinstance(producer, nn.Linear) else producer.out_channels
     if channels != bn.num_features:
         return None, None, (f"its producer {name!r} has {channels} output channels but the "
