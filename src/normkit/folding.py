@@ -312,7 +312,8 @@ def fold(model: nn.Module, *, inplace: bool = False) -> FoldReport:
     bias is created), and the BatchNorm becomes ``nn.Identity()``. torch.nn's and normkit's
     BatchNorm layers both fold; grouped, dilated and bias-free convolutions included.
     The producer is found from the ``torch.fx`` graph of the model, so the order in which
-    modules are declared does not matter.
+    modules are declared does not matter. fx records no shapes: a ``Linear`` feeding a
+    ``BatchNorm1d`` is assumed to output ``(N, C)``, as torch.ao's fuser assumes too.
 
     A BatchNorm is left in place, and listed in the report with the reason, when it is in
     training mode, has no running statistics, has no producer, its producer's output or
