@@ -325,3 +325,39 @@ def test_transformers_resnet50_defaults_every_batch_norm_folds():
         report = normkit.fold(model)
         assert len(report.folded) == 53 and report.left == []
         _close(report.model(pixel_values=pixels).logits, expected, 1e-5)
+
+
+def test_tracer_rollback_leaves_a_valid_graph():
+    from normkit.folding import _PiecewiseTracer
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if self.lin.weight.sum() > 0:  # reads a parameter, then fails to trace
+                return self.lin(x)
+            return x
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.lin, self.bn = Gate(), nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            y = self.gate(x) * self.gate.lin.weight.sum()  # the same parameter, read again
+            return self.bn(self.lin(y))
+
+    tracer = _PiecewiseTracer()
+    graph = tracer.trace(Net())
+    graph.lint()  # no node refers to one erased by the rollback
+    assert [name for name, _, _ in tracer.opaque] == ["gate"]
+    assert [n.target for n in graph.find_nodes(op="get_attr")] == ["gate.lin.weight"]
+    model = _randomize(Net()).eval()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        expected = model(x)
+        report = normkit.fold(model)
+        assert [b for b, _, _ in report.folded] == ["bn"]
+        _close(report.model(x), expected, 1e-5)

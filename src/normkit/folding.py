@@ -114,7 +114,7 @@ class _PiecewiseTracer(fx.Tracer):
         name = self.path_of_module(m)
         if self.is_leaf_module(m, name):
             return super().call_module(m, forward, args, kwargs)
-        last = self.graph._root.prev  # the graph's newest node before this call
+        last = next(iter(reversed(self.graph.nodes)), None)  # newest node before the call
         depth = len(self.module_stack)
         try:
             return super().call_module(m, forward, args, kwargs)
@@ -126,10 +126,10 @@ class _PiecewiseTracer(fx.Tracer):
 
     def _roll_back(self, last, depth) -> None:
         erased = []
-        node = self.graph._root.prev
-        while node is not last:  # newest first, so every node is erased after its users
+        for node in reversed(self.graph.nodes):  # newest first: users go before producers
+            if node is last:
+                break
             erased.append(node)
-            node = node.prev
         for node in erased:
             self.graph.erase_node(node)
         gone = set(erased)
