@@ -11,8 +11,10 @@ other processes hits them alike:
 * ``normkit folded``   -- ``normkit.fold`` of the converted model.
 
 Before timing, each folded model's output is checked against its unfolded twin (max
-error <= 1e-5 x max |output|). Prints best and median ms per forward and the speed-up
-unfolded / folded, from the best times.
+error <= 1e-5 x max |output|). Prints best and median ms per forward and two speed-ups,
+unfolded / folded: of the best times, and the median over repeats of the ratio of the
+two forwards that ran back to back in one repeat (the steadier one when other processes
+load the machine).
 
 Options: ``--batch 16 --size 224 --repeats 7 --threads N`` (default: torch's setting).
 """
@@ -78,11 +80,15 @@ def main(argv=None) -> None:
     print(f"ResNet-18 (transformers ResNetModel), batch {args.batch}, {args.size} px, fp32, "
           f"no_grad, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"best and median of {args.repeats} interleaved repeats")
-    print(f"{'model':<16} {'best ms':>9} {'median ms':>10}  speed-up")
+    print(f"{'model':<16} {'best ms':>9} {'median ms':>10}  {'speed-up: best':>14}  paired")
     for name, t in times.items():
         base = name.replace(" folded", "")
-        ratio = f"{best[base] / best[name]:.2f}x" if name != base else ""
-        print(f"{name:<16} {best[name]:9.1f} {statistics.median(t) * 1e3:10.1f}  {ratio}")
+        ratio = paired = ""
+        if name != base:
+            ratio = f"{best[base] / best[name]:.2f}x"
+            paired = f"{statistics.median(u / f for u, f in zip(times[base], t)):.2f}x"
+        print(f"{name:<16} {best[name]:9.1f} {statistics.median(t) * 1e3:10.1f}  {ratio:>14}  "
+              f"{paired}")
 
 
 if __name__ == "__main__":
