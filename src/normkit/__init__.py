@@ -7,14 +7,14 @@ compute their mean and biased variance, standardize, then scale and shift::
 
 The methods differ only in the group (see ``normkit.grouping``). ``import normkit`` needs
 only NumPy; the torch-facing parts (``normkit.functional``, ``normkit.nn``,
-``normkit.convert``) import torch when first used.
+``normkit.convert``, ``normkit.fold``) import torch when first used.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "convert", "revert", "stats"]
+__all__ = ["__version__", "convert", "revert", "fold", "stats"]
 
 
 def __getattr__(name):
@@ -23,7 +23,11 @@ def __getattr__(name):
         from normkit import conversion as _convert_module
 
         return getattr(_convert_module, name)
-    if name in ("functional", "nn", "reference", "stats", "grouping", "preprocessing", "backends", "conversion"):
+    if name in ("fold", "FoldReport"):
+        from normkit import folding as _fold_module
+
+        return getattr(_fold_module, name)
+    if name in ("functional", "nn", "reference", "stats", "grouping", "preprocessing", "backends", "conversion", "folding"):
         import importlib
 
         return importlib.import_module(f"normkit.{name}")

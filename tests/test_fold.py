@@ -1,0 +1,363 @@
+"""normkit.fold: folded models compute what the unfolded ones do; the report says what was
+left and why."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import normkit  # noqa: E402
+import normkit.nn as nknn  # noqa: E402
+
+BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+            nknn.BatchNorm1d, nknn.BatchNorm2d, nknn.BatchNorm3d)
+
+
+def _randomize(model, seed=0):
+    """Non-trivial running statistics and affine parameters, so that a wrong fold shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, BN_TYPES) and m.running_mean is not None:
+                n = m.num_features
+                m.running_mean.copy_(torch.randn(n, generator=gen) * 0.5)
+                m.running_var.copy_(torch.rand(n, generator=gen) * 2 + 0.1)
+                if m.weight is not None:
+                    m.weight.copy_(torch.rand(n, generator=gen) + 0.5)
+                if m.bias is not None:
+                    m.bias.copy_(torch.randn(n, generator=gen) * 0.3)
+    return model
+
+
+def _close(actual, expected, rel):
+    """max |actual - expected| <= rel * max |expected| (relative to the output's scale)."""
+    err = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert err <= rel * scale, f"max error {err:.3g} > {rel:g} x {scale:.3g}"
+
+
+def _count_bn(model):
+    return sum(isinstance(m, BN_TYPES) for m in model.modules())
+
+
+class Branches(nn.Module):
+    """Every foldable producer kind, declared in an order unlike the call order."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn_lin = nn.BatchNorm1d(6)
+        self.bn_t = nn.BatchNorm2d(6)
+        self.bn_g = nn.BatchNorm2d(8, affine=False)
+        self.bn3 = nn.BatchNorm3d(4)
+        self.bn1 = nn.BatchNorm1d(6)
+        self.conv_g = nn.Conv2d(3, 8, 3, groups=1, bias=False, padding=1)
+        self.conv_dw = nn.Conv2d(8, 8, 3, groups=4, dilation=2, padding=2)
+        self.bn_dw = nn.BatchNorm2d(8)
+        self.convt = nn.ConvTranspose2d(8, 6, 3, stride=2, groups=2)
+        self.conv3 = nn.Conv3d(3, 4, (1, 3, 3), bias=False)
+        self.conv1 = nn.Conv1d(3, 6, 5, padding=2, padding_mode="circular")
+        self.lin = nn.Linear(12, 6, bias=False)
+
+    def forward(self, x, seq, vec, vol):
+        a = torch.relu(self.bn_g(self.conv_g(x)))
+        a = self.bn_dw(self.conv_dw(a))
+        t = self.bn_t(self.convt(a))
+        v = self.bn3(self.conv3(vol))
+        s = self.bn1(self.conv1(seq))
+        w = self.bn_lin(self.lin(vec))
+        return t.mean((2, 3)) + v.mean((2, 3, 4)).sum(1, keepdim=True) + s.mean(2) + w
+
+
+def _branch_inputs(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1)
+    return (torch.randn(4, 3, 9, 11, generator=gen, dtype=dtype),
+            torch.randn(4, 3, 13, generator=gen, dtype=dtype),
+            torch.randn(4, 12, generator=gen, dtype=dtype),
+            torch.randn(4, 3, 2, 7, 6, generator=gen, dtype=dtype))
+
+
+@pytest.mark.parametrize("layers", ["torch", "normkit"])
+def test_every_producer_kind_folds_and_outputs_match(layers):
+    model = _randomize(Branches()).eval()
+    if layers == "normkit":
+        normkit.convert(model)
+        assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    inputs = _branch_inputs()
+    with torch.no_grad():
+        expected = model(*inputs)
+    report = normkit.fold(model)
+    assert {b for b, _, _ in report.folded} == {
+        "bn_g", "bn_dw", "bn_t", "bn3", "bn1", "bn_lin"}, str(report)
+    assert dict((b, p) for b, p, _ in report.folded)["bn_t"] == "convt"
+    assert report.left == [] and _count_bn(report.model) == 0
+    assert report.model.conv_g.bias is not None and report.model.lin.bias is not None
+    with torch.no_grad():
+        _close(report.model(*inputs), expected, 1e-5)
+    # the input model is untouched: fold works on a copy unless inplace=True
+    assert report.model is not model and _count_bn(model) == 6 and model.conv_g.bias is None
+
+
+def test_fold_in_float64_is_exact_to_rounding():
+    model = _randomize(Branches()).double().eval()
+    inputs = _branch_inputs(torch.float64)
+    with torch.no_grad():
+        expected = model(*inputs)
+        report = normkit.fold(model, inplace=True)
+        assert report.model is model and _count_bn(model) == 0
+        _close(model(*inputs), expected, 1e-13)
+        assert model.conv1.weight.dtype == torch.float64
+
+
+def test_folded_weights_follow_the_formula():
+    conv = nn.Conv2d(2, 3, 1, bias=True)
+    bn = _randomize(nknn.BatchNorm2d(3, eps=1e-3, bias=False))
+    model = nn.Sequential(conv, bn).eval()
+    report = normkit.fold(model)
+    s = bn.weight.double() / torch.sqrt(bn.running_var.double() + 1e-3)
+    w = conv.weight.double() * s.view(3, 1, 1, 1)
+    b = (conv.bias.double() - bn.running_mean.double()) * s  # no beta: bias=False
+    folded = report.model[0]
+    torch.testing.assert_close(folded.weight, w.float(), rtol=0, atol=0)
+    torch.testing.assert_close(folded.bias, b.float(), rtol=0, atol=0)
+    assert isinstance(report.model[1], nn.Identity)
+
+
+class Unfoldable(nn.Module):
+    """One BatchNorm for each reason a fold is refused; the last pair does fold."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared_out = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn_shared_out = nn.BatchNorm2d(4)
+        self.pre = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn_after_relu = nn.BatchNorm2d(4)
+        self.train_conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn_train = nn.BatchNorm2d(4)
+        self.nostat_conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn_no_stats = nn.BatchNorm2d(4, track_running_stats=False)
+        self.bn_input = nn.BatchNorm2d(3)
+        self.twice = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn_twice_producer = nn.BatchNorm2d(4)
+        self.read_conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn_read = nn.BatchNorm2d(4)
+        self.ok_conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn_ok = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        c = self.shared_out(x)
+        out = self.bn_shared_out(c) + c                                   # output used twice
+        out = out + self.bn_after_relu(torch.relu(self.pre(x)))           # activation between
+        out = out + self.bn_train(self.train_conv(x))                     # BN in training mode
+        out = out + self.bn_no_stats(self.nostat_conv(x))                 # no running stats
+        out = out + self.bn_input(x).sum(1, keepdim=True)                 # no producer
+        out = out + self.bn_twice_producer(self.twice(x)) + self.twice(x)  # producer called twice
+        w = self.read_conv.weight                                         # weight read directly
+        out = out + self.bn_read(self.read_conv(x)) + w.sum()
+        return out + self.bn_ok(self.ok_conv(x))
+
+
+@pytest.mark.parametrize("layers", ["torch", "normkit"])
+def test_unfoldable_batch_norms_are_left_with_the_reason(layers):
+    model = _randomize(Unfoldable()).eval()
+    if layers == "normkit":
+        normkit.convert(model)
+    model.bn_train.train()
+    x = torch.randn(2, 3, 6, 5, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(x)
+    report = normkit.fold(model)
+    assert [b for b, _, _ in report.folded] == ["bn_ok"]
+    why = {name: reason for name, _, reason in report.left}
+    assert set(why) == {"bn_shared_out", "bn_after_relu", "bn_train", "bn_no_stats", "bn_input",
+                        "bn_twice_producer", "bn_read"}
+    assert "also used by" in why["bn_shared_out"] and "'add'" in why["bn_shared_out"]
+    assert "relu" in why["bn_after_relu"] and "not straight from" in why["bn_after_relu"]
+    assert "training mode" in why["bn_train"]
+    assert "track_running_stats=False" in why["bn_no_stats"]
+    assert why["bn_input"].startswith("no producer")
+    assert "called 2 times" in why["bn_twice_producer"]
+    assert "read elsewhere" in why["bn_read"]
+    kinds = {type(m) for m in report.model.modules()}
+    assert (nknn.BatchNorm2d if layers == "normkit" else nn.BatchNorm2d) in kinds
+    with torch.no_grad():
+        _close(report.model(x), expected, 1e-5)  # bn_train's batch statistics: same batch
+
+
+def test_shared_layers_subclass_hooks_tied_weights_and_unused_are_left():
+    class MyBN(nn.BatchNorm2d):
+        pass
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(2, 3, 1), nn.Conv2d(2, 3, 1)
+            self.bn = nn.BatchNorm2d(3)  # one BatchNorm after two convolutions
+            self.c, self.sub = nn.Conv2d(2, 3, 1), MyBN(3)
+            self.d, self.hooked = nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3)
+            self.lin, self.bn1 = nn.Linear(2, 3), nn.BatchNorm1d(3)
+            self.e, self.f = nn.Conv2d(2, 3, 1), nn.Conv2d(2, 3, 1)
+            self.f.weight = self.e.weight  # tied weights
+            self.bn_e, self.bn_f = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+            self.unused = nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            y = self.bn(self.a(x)) + self.bn(self.b(x)) + self.sub(self.c(x))
+            y = y + self.bn_e(self.e(x)) + self.bn_f(self.f(x))
+            return y + self.hooked(self.d(x)), self.bn1(self.lin(x.mean((2, 3))))
+
+    model = _randomize(Net()).eval()
+    model.hooked.register_forward_hook(lambda mod, args, out: None)
+    report = normkit.fold(model)
+    why = {name: reason for name, _, reason in report.left}
+    assert "called 2 times" in why["bn"]
+    assert "not a BatchNorm1d/2d/3d" in why["sub"]
+    assert "forward hooks" in why["hooked"]
+    assert "read elsewhere" in why["bn_e"] and "read elsewhere" in why["bn_f"]
+    assert "never calls it" in why["unused"]
+    assert [b for b, _, _ in report.folded] == ["bn1"]
+
+
+def test_producer_of_another_dimensionality_is_refused():
+    # Conv1d (N, 4, L) feeding a BatchNorm1d(4) folds; a Conv2d feeding a BatchNorm1d does not
+    model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.BatchNorm1d(4)).eval()
+    assert len(normkit.fold(model).folded) == 1
+    odd = nn.Sequential(nn.Conv2d(2, 4, 1), nn.BatchNorm1d(4)).eval()
+    report = normkit.fold(odd)
+    assert "does not feed a BatchNorm1d" in report.left[0][2]
+
+
+def test_training_model_and_model_without_batch_norm_come_back_unchanged():
+    model = _randomize(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+    state = copy.deepcopy(model.state_dict())
+    for inplace in (False, True):
+        report = normkit.fold(model, inplace=inplace)
+        assert report.folded == [] and [n for n, _, _ in report.left] == ["1"]
+        assert "training mode" in report.notes[0] and "model.eval()" in report.notes[0]
+        assert isinstance(report.model[1], nn.BatchNorm2d)
+        for key, value in report.model.state_dict().items():
+            assert torch.equal(value, state[key]), key
+    plain = nn.Sequential(nn.Linear(3, 4), nn.ReLU()).eval()
+    report = normkit.fold(plain, inplace=True)
+    assert report.model is plain and report.folded == report.left == []
+    assert "no BatchNorm" in str(report)
+
+
+def test_module_with_untraceable_forward_is_traced_child_by_child():
+    class Checked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+
+        def forward(self, x):
+            if x.shape[1] != 3:  # control flow on a traced value: fx cannot record it
+                raise ValueError("3 channels expected")
+            return self.block(x)
+
+    model = _randomize(nn.Sequential(Checked(), nn.Conv2d(4, 2, 1), nn.BatchNorm2d(2))).eval()
+    x = torch.randn(2, 3, 7, 7)
+    with torch.no_grad():
+        expected = model(x)
+    report = normkit.fold(model)
+    assert sorted(b for b, _, _ in report.folded) == ["0.block.1", "2"]
+    assert any(note.startswith("0 could not be traced as a whole") for note in report.notes)
+    with torch.no_grad():
+        _close(report.model(x), expected, 1e-5)
+
+
+def test_report_reads_well():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.BatchNorm2d(8)).eval()
+    text = str(normkit.fold(model))
+    assert text.splitlines()[0] == "folded 0 BatchNorm layer(s), left 1"
+    assert text.splitlines()[1].startswith("  left 2 (torch.nn.BatchNorm2d): its input comes "
+                                           "from '1' (ReLU)")
+    text = str(normkit.fold(nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8)).eval()))
+    assert text == "folded 1 BatchNorm layer(s), left 0\n  folded 1 into 0 (Linear)"
+
+
+@pytest.mark.parametrize("bad", [{"w": 1}, [nn.Conv2d(1, 1, 1)], None])
+def test_non_module_input_is_a_type_error(bad):
+    with pytest.raises(TypeError, match="fold expects a torch.nn.Module"):
+        normkit.fold(bad)
+
+
+def test_inplace_must_be_a_bool():
+    with pytest.raises(TypeError, match="inplace must be True or False"):
+        normkit.fold(nn.Sequential(), inplace="yes")
+
+
+transformers = pytest.importorskip("transformers")
+
+RESNET18 = dict(layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512])
+
+
+@pytest.mark.parametrize("layers", ["torch", "normkit"])
+def test_transformers_resnet18_every_batch_norm_folds(layers):
+    from transformers import ResNetConfig, ResNetModel
+
+    torch.manual_seed(0)
+    model = _randomize(ResNetModel(ResNetConfig(**RESNET18))).eval()
+    if layers == "normkit":
+        normkit.convert(model)
+    n_bn = _count_bn(model)
+    assert n_bn == 20
+    pixels = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(pixel_values=pixels)
+    report = normkit.fold(model)
+    assert len(report.folded) == n_bn and report.left == [], str(report)
+    assert _count_bn(report.model) == 0
+    with torch.no_grad():
+        got = report.model(pixel_values=pixels)
+    _close(got.last_hidden_state, expected.last_hidden_state, 1e-5)
+    _close(got.pooler_output, expected.pooler_output, 1e-5)
+
+
+def test_transformers_resnet50_defaults_every_batch_norm_folds():
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    model = _randomize(ResNetForImageClassification(ResNetConfig())).eval()
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model(pixel_values=pixels).logits
+        report = normkit.fold(model)
+        assert len(report.folded) == 53 and report.left == []
+        _close(report.model(pixel_values=pixels).logits, expected, 1e-5)
+
+
+def test_tracer_rollback_leaves_a_valid_graph():
+    from normkit.folding import _PiecewiseTracer
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if self.lin.weight.sum() > 0:  # reads a parameter, then fails to trace
+                return self.lin(x)
+            return x
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.lin, self.bn = Gate(), nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            y = self.gate(x) * self.gate.lin.weight.sum()  # the same parameter, read again
+            return self.bn(self.lin(y))
+
+    tracer = _PiecewiseTracer()
+    graph = tracer.trace(Net())
+    graph.lint()  # no node refers to one erased by the rollback
+    assert [name for name, _, _ in tracer.opaque] == ["gate"]
+    assert [n.target for n in graph.find_nodes(op="get_attr")] == ["gate.lin.weight"]
+    model = _randomize(Net()).eval()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        expected = model(x)
+        report = normkit.fold(model)
+        assert [b for b, _, _ in report.folded] == ["bn"]
+        _close(report.model(x), expected, 1e-5)
