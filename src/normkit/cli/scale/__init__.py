@@ -51,7 +51,7 @@ def register(subparsers):
 def _progress(path, disable):
     from tqdm import tqdm
 
-    from normkit.io import file_format
+    from normkit.cli.scale.tables import file_format
 
     if file_format(path) == "parquet":
         import pyarrow.parquet as pq
@@ -63,38 +63,50 @@ def _progress(path, disable):
                 file=sys.stderr, disable=disable, leave=False)
 
 
-def _matrix(batch, columns):
-    """The listed columns of a record batch as one (rows, columns) float64 array."""
+def _matrix(table, columns):
+    """The listed columns of a table as one (rows, columns) float64 array, nulls as NaN."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    out = np.empty((batch.num_rows, len(columns)), dtype=np.float64)
+    out = np.empty((table.num_rows, len(columns)), dtype=np.float64)
     for j, name in enumerate(columns):
-        col = batch.column(name)
-        if not pa.types.is_float64(col.type):
-            col = pc.cast(col, pa.float64())
-        out[:, j] = col.to_numpy(zero_copy_only=False)  # nulls -> NaN
+        start = 0
+        for piece in table.column(name).chunks:  # piece by piece: no concatenated copy
+            if not pa.types.is_float64(piece.type):
+                piece = pc.cast(piece, pa.float64())
+            out[start:start + len(piece), j] = piece.to_numpy(zero_copy_only=False)
+            start += len(piece)
     return out
 
 
-def _fit(args):
-    import numpy as np
+def _fit_columns(args):
+    """The columns to fit: ``--columns``, or the numeric ones (the others listed on stderr)."""
+    from normkit.cli.scale.tables import TableFormatError, read_columns
 
-    from normkit.io import TableFormatError, iter_batches, read_schema
-    from normkit.preprocessing import MinMaxScaler, StandardScaler
-
-    names, numeric = read_schema(args.data[0])
+    names, numeric, skipped = read_columns(args.data[0])
     if args.columns:
         columns = [c.strip() for c in args.columns.split(",") if c.strip()]
         unknown = [c for c in columns if c not in names]
         if unknown:
             raise TableFormatError(f"{args.data[0]}: has no columns {unknown} (it has {names}).")
-    else:
-        columns = numeric
-    if not columns:
+        return columns
+    if not numeric:
         raise TableFormatError(f"{args.data[0]}: has no numeric columns to scale (columns: {names}); "
                                "name them with --columns.")
+    if skipped:
+        print(f"normkit scale: not scaling {len(skipped)} column(s) that hold text, not numbers: "
+              f"{', '.join(skipped)}", file=sys.stderr)
+    return numeric
+
+
+def _fit(args):
+    import numpy as np
+
+    from normkit.cli.scale.tables import TableFormatError, iter_chunks
+    from normkit.preprocessing import MinMaxScaler, StandardScaler
+
+    columns = _fit_columns(args)
     if args.method == "standard":
         scaler = StandardScaler(with_mean=not args.no_center)
     else:
@@ -102,9 +114,10 @@ def _fit(args):
     chunk = int(args.chunk_mb * (1 << 20))
     for path in args.data:
         with _progress(path, args.no_progress) as bar:
-            for batch in iter_batches(path, columns, chunk, bar):
-                if batch.num_rows:
-                    scaler.partial_fit(_matrix(batch, columns))
+            for table in iter_chunks(path, columns, chunk, bar, only=True):
+                if table.num_rows:
+                    scaler.partial_fit(_matrix(table, columns))
+                del table  # not kept while the next chunk is read
     if not hasattr(scaler, "n_features_in_"):
         raise TableFormatError(f"{', '.join(args.data)}: no data rows to fit on.")
     scaler.feature_names_in_ = np.asarray(columns, dtype=object)
@@ -112,14 +125,26 @@ def _fit(args):
     return 0
 
 
+def _scaled(table, columns, scaler, inverse):
+    """``table`` with its ``columns`` scaled (or unscaled), the other columns as they are."""
+    import pyarrow as pa
+
+    X = _matrix(table, columns)
+    Z = scaler._apply(X, X, inverse=inverse)  # in place on our own buffer
+    for j, name in enumerate(columns):
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, name, pa.array(Z[:, j], type=pa.float64(), from_pandas=True))
+    return table
+
+
 def _apply(args, inverse):
     import pyarrow as pa
 
-    from normkit.io import TableFormatError, TableWriter, atomic_path, file_format, iter_batches
+    from normkit._atomic import atomic_path
+    from normkit.cli.scale.tables import TableFormatError, TableWriter, column_names, file_format, iter_chunks
     from normkit.preprocessing import load_scaler
 
     out_format = file_format(args.output)
-
     scaler = load_scaler(args.scaler)
     names = getattr(scaler, "feature_names_in_", None)
     if names is None:
@@ -130,31 +155,19 @@ def _apply(args, inverse):
     with atomic_path(args.output) as tmp, _progress(args.data, args.no_progress) as bar:
         writer = None
         try:
-            for batch in iter_batches(args.data, columns, chunk, bar):
-                missing = [c for c in columns if c not in batch.schema.names]
-                if missing:
-                    raise TableFormatError(f"{args.data}: lacks the scaler's columns {missing}.")
-                X = _matrix(batch, columns)
-                Z = scaler._apply(X, X, inverse=inverse)  # in place on our own buffer
-                arrays = []
-                for name, col in zip(batch.schema.names, batch.columns):
-                    if name in columns:
-                        col = pa.array(Z[:, columns.index(name)], type=pa.float64(), from_pandas=True)
-                    arrays.append(col)
-                out = pa.RecordBatch.from_arrays(arrays, names=batch.schema.names)
+            for table in iter_chunks(args.data, columns, chunk, bar):
+                out = _scaled(table, columns, scaler, inverse)
                 if writer is None:
                     writer = TableWriter(tmp, out.schema, out_format)
                 writer.write(out)
+                del table, out  # not kept while the next chunk is read
+            if writer is None:  # an empty table: write its header / schema only
+                all_names = column_names(args.data)
+                writer = TableWriter(tmp, pa.schema([(n, pa.float64() if n in columns else pa.string())
+                                                     for n in all_names]), out_format)
         finally:
             if writer is not None:
                 writer.close()
-        if writer is None:  # an empty table: write its header / schema only
-            from normkit.io import read_schema
-
-            all_names, _ = read_schema(args.data)
-            schema = pa.schema([(n, pa.float64() if n in columns else pa.string()) for n in all_names])
-            w = TableWriter(tmp, schema, out_format)
-            w.close()
     return 0
 
 
