@@ -278,3 +278,55 @@ def test_memory_stays_flat_as_the_file_grows(tmp_path):
     peak_small = _peak_kb(tmp_path, tmp_path / "small.csv", tmp_path / "s.json", tmp_path / "o1.csv")
     peak_big = _peak_kb(tmp_path, tmp_path / "big.csv", tmp_path / "s.json", tmp_path / "o2.csv")
     assert peak_big - peak_small < size_growth_kb / 4, (peak_small, peak_big, size_growth_kb)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_streaming_holds_one_chunk_at_a_time(tmp_path, monkeypatch, fmt):
+    import weakref
+
+    from normkit.cli.scale import tables
+    from normkit.preprocessing import StandardScaler
+
+    table = make_table(400_000)  # ~20 MB in memory: many chunks of 1 MiB
+    data = tmp_path / f"d.{fmt}"
+    (pcsv.write_csv if fmt == "csv" else pq.write_table)(table, data, **({} if fmt == "csv" else
+                                                                        {"row_group_size": 20_000}))
+    total = table.nbytes
+    del table
+    baseline = pa.total_allocated_bytes()
+    chunk = 1
+    used, allocated = [], []
+    streaming = tables.iter_chunks
+
+    def watched(*args, **kwargs):
+        for piece in streaming(*args, **kwargs):
+            assert all(ref() is None for ref in used), "a chunk is still held after it was used"
+            allocated.append(pa.total_allocated_bytes())
+            used.append(weakref.ref(piece))
+            yield piece
+            del piece
+
+    monkeypatch.setattr(tables, "iter_chunks", watched)
+    scaler, out = tmp_path / "s.json", tmp_path / f"o.{fmt}"
+    assert normkit("scale", "fit", data, "-o", scaler, "--chunk-mb", chunk, "--no-progress") == 0
+    fit_chunks = len(used)
+    assert normkit("scale", "transform", data, "--scaler", scaler, "-o", out, "--chunk-mb", chunk,
+                   "--no-progress") == 0
+    assert fit_chunks >= 5 and len(used) - fit_chunks >= 5
+    # what pyarrow holds at any time: a few chunks (Parquet: the row groups being decoded too, and
+    # the output row group being encoded), not the table
+    held = max(allocated) - baseline
+    assert held < 8 * chunk * (1 << 20) < total / 2, (held, total)
+
+    back = pcsv.read_csv(data) if fmt == "csv" else pq.read_table(data)
+    X = np.column_stack([back[c].to_numpy(zero_copy_only=False).astype(np.float64) for c in "xyz"])
+    whole = StandardScaler().fit(X)  # the in-memory fit of the whole table
+    sk = skp.StandardScaler().fit(X)
+    state = json.loads(scaler.read_text())["state"]
+    np.testing.assert_allclose(state["mean_"], whole.mean_, rtol=1e-13)
+    np.testing.assert_allclose(state["var_"], whole.var_, rtol=1e-12)
+    np.testing.assert_allclose(state["var_"], sk.var_, rtol=1e-6)  # sklearn sums 3e5 values near 1e6
+    got = pcsv.read_csv(out) if fmt == "csv" else pq.read_table(out)
+    Z = np.column_stack([got[c].to_numpy(zero_copy_only=False).astype(np.float64) for c in "xyz"])
+    np.testing.assert_allclose(Z, whole.transform(X), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(Z, sk.transform(X), rtol=1e-6, atol=1e-6)
