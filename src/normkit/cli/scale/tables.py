@@ -53,11 +53,13 @@ def _parquet(path):
 
 
 def _csv_stream(raw, path):
-    """``raw`` (a binary file) as pyarrow reads it: decompressed if ``path`` ends in .gz."""
+    """``raw`` (a ``pyarrow.OSFile``) as the CSV reader reads it: decompressed if ``path`` ends
+    in .gz. A native file, not a Python one: pyarrow's I/O thread then reads without waiting
+    for the GIL."""
     import pyarrow as pa
 
     if os.fspath(path).lower().endswith(".gz"):
-        return pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "gzip")
+        return pa.CompressedInputStream(raw, "gzip")
     return raw
 
 
@@ -92,7 +94,7 @@ def _csv_sample(path):
     import pyarrow as pa
     import pyarrow.csv as pcsv
 
-    with open(path, "rb") as raw:
+    with pa.OSFile(os.fspath(path)) as raw:
         head = _csv_stream(raw, path).read(SAMPLE_BYTES)
     if len(head) == SAMPLE_BYTES and b"\n" in head:
         head = head[:head.rindex(b"\n") + 1]
@@ -219,7 +221,7 @@ def iter_chunks(path, float_columns, chunk_bytes=16 << 20, progress=None, only=F
     read = pcsv.ReadOptions(block_size=max(1 << 16, int(chunk_bytes) // BLOCKS_PER_CHUNK))
     convert = pcsv.ConvertOptions(column_types=types, strings_can_be_null=False,
                                   include_columns=float_columns if only else None)
-    with open(path, "rb") as raw:
+    with pa.OSFile(os.fspath(path)) as raw:
 
         def counted(reader):
             done = 0
