@@ -155,6 +155,9 @@ def test_text_columns_are_listed_on_stderr(tmp_path, capsys):
     assert normkit("scale", "fit", tmp_path / "d.csv", "--columns", "x", "-o", tmp_path / "s.json",
                    "--no-progress") == 0
     assert "not scaling" not in capsys.readouterr().err  # the user chose the columns
+    assert normkit("scale", "fit", tmp_path / "d.parquet", "--columns", "x,when", "-o", tmp_path / "t.json",
+                   "--no-progress") == 1
+    assert "the columns ['when'] hold text, not numbers" in capsys.readouterr().err
 
 
 def test_gzipped_csv_is_read(tmp_path):

@@ -7,8 +7,11 @@
     normkit scale inverse DATA --scaler scaler.json -o OUT
 
 ``fit`` scales the numeric columns (or ``--columns``); ``transform``/``inverse`` scale the
-columns named in the scaler file and pass every other column through unchanged. Memory is
-bounded by ``--chunk-mb`` whatever the file size; outputs are written atomically.
+columns named in the scaler file and pass every other column through unchanged. Files are
+read and written a chunk at a time: peak memory is the process's start-up (about 150 MiB)
+plus about 6 times ``--chunk-mb`` whatever the file size (Parquet: plus up to about 60 MiB
+for the file's footer and the reader's and writer's buffers). Outputs are written
+atomically.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ def register(subparsers):
 
     def common(q):
         q.add_argument("--chunk-mb", type=float, default=16.0,
-                       help="memory budget of one chunk in MiB (default 16)")
+                       help="size of one chunk in MiB (default 16); peak memory is about 6x this above "
+                            "the ~150 MiB start-up, whatever the file size")
         q.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     f = sub.add_parser("fit", help="fit a scaler on one or more tables and save it as JSON")
@@ -56,7 +60,7 @@ def _progress(path, disable):
     if file_format(path) == "parquet":
         import pyarrow.parquet as pq
 
-        total, unit, scale = pq.ParquetFile(path).metadata.num_rows, " rows", False
+        total, unit, scale = pq.read_metadata(path).num_rows, " rows", False
     else:
         total, unit, scale = os.path.getsize(path), "B", True
     return tqdm(total=total, unit=unit, unit_scale=scale, desc=os.path.basename(path),
@@ -82,7 +86,7 @@ def _matrix(table, columns):
 
 def _fit_columns(args):
     """The columns to fit: ``--columns``, or the numeric ones (the others listed on stderr)."""
-    from normkit.cli.scale.tables import TableFormatError, read_columns
+    from normkit.cli.scale.tables import TableFormatError, file_format, read_columns
 
     names, numeric, skipped = read_columns(args.data[0])
     if args.columns:
@@ -90,6 +94,10 @@ def _fit_columns(args):
         unknown = [c for c in columns if c not in names]
         if unknown:
             raise TableFormatError(f"{args.data[0]}: has no columns {unknown} (it has {names}).")
+        typed_text = [c for c in columns if c in skipped and file_format(args.data[0]) == "parquet"]
+        if typed_text:  # a CSV column is checked value by value as it is read, with its line
+            raise TableFormatError(f"{args.data[0]}: the columns {typed_text} hold text, not numbers; "
+                                   "leave them out of --columns.")
         return columns
     if not numeric:
         raise TableFormatError(f"{args.data[0]}: has no numeric columns to scale (columns: {names}); "
