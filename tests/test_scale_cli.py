@@ -116,8 +116,111 @@ def test_malformed_rows_name_file_and_line(tmp_path, capsys):
     assert not out.exists()
     bad.write_text("id,x\na,1\nb,2\nc,four\n")
     assert normkit("scale", "fit", bad, "-o", tmp_path / "t.json", "--columns", "x", "--no-progress") == 1
-    assert f"{bad}:4: malformed row: column 'x' has the non-numeric value 'four'" in capsys.readouterr().err
+    assert f"{bad}:4: column x holds 'four', not a number" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_stray_text_in_a_numeric_column_stops_the_fit(tmp_path, capsys, named):
+    rows = [f"r{i},{i * 0.5},{i % 7}" for i in range(50)]
+    rows[29] = "r29,n/a,3"  # a null token: read as missing, not as text
+    rows[40] = "r40,12..5,3"  # line 42 of the file (the header is line 1)
+    data = tmp_path / "stray.csv"
+    data.write_text("id,x,k\n" + "\n".join(rows) + "\n")
+    columns = ("--columns", "x,k") if named else ()
+    assert normkit("scale", "fit", data, *columns, "-o", tmp_path / "s.json", "--no-progress") == 1
+    assert f"{data}:42: column x holds '12..5', not a number" in capsys.readouterr().err
+    assert not (tmp_path / "s.json").exists()  # never fitted without the column
+
+
+def test_stray_text_past_the_sample_stops_the_fit(tmp_path, capsys):
+    n = 120_000  # ~1.6 MB: the stray value lies beyond the first MiB that decides the types
+    lines = ["x,y"] + [f"{i},{i % 13}" for i in range(n)]
+    lines[n - 10] = "oops,1"
+    data = tmp_path / "late.csv"
+    data.write_text("\n".join(lines) + "\n")
+    assert normkit("scale", "fit", data, "-o", tmp_path / "s.json", "--chunk-mb", "0.25", "--no-progress") == 1
+    assert f"{data}:{n - 9}: column x holds 'oops', not a number" in capsys.readouterr().err
+
+
+def test_text_columns_are_listed_on_stderr(tmp_path, capsys):
+    table = make_table(300)
+    pcsv.write_csv(table, tmp_path / "d.csv")
+    pq.write_table(table, tmp_path / "d.parquet")
+    for name in ("d.csv", "d.parquet"):
+        assert normkit("scale", "fit", tmp_path / name, "-o", tmp_path / "s.json", "--no-progress") == 0
+        err = capsys.readouterr().err
+        assert "not scaling 2 column(s) that hold text, not numbers: id, when" in err
+        assert json.loads((tmp_path / "s.json").read_text())["feature_names_in"] == ["x", "y", "z"]
+    assert normkit("scale", "fit", tmp_path / "d.csv", "--columns", "x", "-o", tmp_path / "s.json",
+                   "--no-progress") == 0
+    assert "not scaling" not in capsys.readouterr().err  # the user chose the columns
+    assert normkit("scale", "fit", tmp_path / "d.parquet", "--columns", "x,when", "-o", tmp_path / "t.json",
+                   "--no-progress") == 1
+    assert "the columns ['when'] hold text, not numbers" in capsys.readouterr().err
+
+
+def test_gzipped_csv_is_read(tmp_path):
+    import gzip
+
+    table = make_table(500)
+    pcsv.write_csv(table, tmp_path / "d.csv")
+    with open(tmp_path / "d.csv", "rb") as f, gzip.open(tmp_path / "d.csv.gz", "wb") as g:
+        g.write(f.read())
+    for name in ("d.csv", "d.csv.gz"):
+        assert normkit("scale", "fit", tmp_path / name, "-o", tmp_path / f"{name}.json", "--no-progress") == 0
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text())["state"] for n in ("d.csv", "d.csv.gz"))
+    assert a == b
+    assert normkit("scale", "transform", tmp_path / "d.csv.gz", "--scaler", tmp_path / "d.csv.json",
+                   "-o", tmp_path / "o.csv", "--no-progress") == 0
+    assert pcsv.read_csv(tmp_path / "o.csv").num_rows == 500
+
+
+def test_a_later_run_removes_stale_temporaries(tmp_path):
+    import fcntl
+    import os
+
+    pcsv.write_csv(make_table(200), tmp_path / "d.csv")
+    assert normkit("scale", "fit", tmp_path / "d.csv", "-o", tmp_path / "s.json", "--no-progress") == 0
+    stale = [tmp_path / ".out.csv.k3j9x_2a.tmp", tmp_path / ".s.json.zz81q0kd.tmp"]
+    for path in stale:  # what a killed transform / fit leaves behind
+        path.write_bytes(b"x" * 1000)
+    busy = tmp_path / ".out.csv.live0001.tmp"  # a writer still at work holds its lock
+    busy.write_bytes(b"partial")
+    fd = os.open(busy, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    other = tmp_path / ".other.csv.a1b2c3d4.tmp"  # another destination's: not ours to remove
+    other.write_bytes(b"y")
+    try:
+        assert normkit("scale", "transform", tmp_path / "d.csv", "--scaler", tmp_path / "s.json",
+                       "-o", tmp_path / "out.csv", "--no-progress") == 0
+        assert normkit("scale", "fit", tmp_path / "d.csv", "-o", tmp_path / "s.json", "--no-progress") == 0
+        assert busy.exists()
+    finally:
+        os.close(fd)
+    assert not any(p.exists() for p in stale)
+    assert other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".other.csv.a1b2c3d4.tmp", ".out.csv.live0001.tmp", "d.csv", "out.csv", "s.json"]
+
+
+def test_errors_name_the_users_paths(tmp_path, capsys):
+    pcsv.write_csv(make_table(50), tmp_path / "d.csv")
+    missing = tmp_path / "no" / "such"
+    assert normkit("scale", "fit", tmp_path / "d.csv", "-o", missing / "s.json", "--no-progress") == 1
+    err = capsys.readouterr().err
+    assert f"{missing / 's.json'}: the folder {missing} does not exist" in err
+    assert ".tmp" not in err
+    assert normkit("scale", "fit", tmp_path / "d.csv", "-o", tmp_path / "s.json", "--no-progress") == 0
+    assert normkit("scale", "transform", tmp_path / "d.csv", "--scaler", tmp_path / "s.json",
+                   "-o", missing / "o.parquet", "--no-progress") == 1
+    err = capsys.readouterr().err
+    assert f"the folder {missing} does not exist" in err and ".tmp" not in err
+    assert not missing.exists()
+    (tmp_path / "dir.csv").mkdir()
+    assert normkit("scale", "transform", tmp_path / "d.csv", "--scaler", tmp_path / "s.json",
+                   "-o", tmp_path / "dir.csv", "--no-progress") == 1
+    assert f"{tmp_path / 'dir.csv'} is a folder" in capsys.readouterr().err
 
 
 def test_failure_leaves_no_partial_output(tmp_path, capsys):
@@ -178,3 +281,55 @@ def test_memory_stays_flat_as_the_file_grows(tmp_path):
     peak_small = _peak_kb(tmp_path, tmp_path / "small.csv", tmp_path / "s.json", tmp_path / "o1.csv")
     peak_big = _peak_kb(tmp_path, tmp_path / "big.csv", tmp_path / "s.json", tmp_path / "o2.csv")
     assert peak_big - peak_small < size_growth_kb / 4, (peak_small, peak_big, size_growth_kb)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_streaming_holds_one_chunk_at_a_time(tmp_path, monkeypatch, fmt):
+    import weakref
+
+    from normkit.cli.scale import tables
+    from normkit.preprocessing import StandardScaler
+
+    table = make_table(400_000)  # ~20 MB in memory: many chunks of 1 MiB
+    data = tmp_path / f"d.{fmt}"
+    (pcsv.write_csv if fmt == "csv" else pq.write_table)(table, data, **({} if fmt == "csv" else
+                                                                        {"row_group_size": 20_000}))
+    total = table.nbytes
+    del table
+    baseline = pa.total_allocated_bytes()
+    chunk = 1
+    used, allocated = [], []
+    streaming = tables.iter_chunks
+
+    def watched(*args, **kwargs):
+        for piece in streaming(*args, **kwargs):
+            assert all(ref() is None for ref in used), "a chunk is still held after it was used"
+            allocated.append(pa.total_allocated_bytes())
+            used.append(weakref.ref(piece))
+            yield piece
+            del piece
+
+    monkeypatch.setattr(tables, "iter_chunks", watched)
+    scaler, out = tmp_path / "s.json", tmp_path / f"o.{fmt}"
+    assert normkit("scale", "fit", data, "-o", scaler, "--chunk-mb", chunk, "--no-progress") == 0
+    fit_chunks = len(used)
+    assert normkit("scale", "transform", data, "--scaler", scaler, "-o", out, "--chunk-mb", chunk,
+                   "--no-progress") == 0
+    assert fit_chunks >= 5 and len(used) - fit_chunks >= 5
+    # what pyarrow holds at any time: a few chunks (Parquet: the row groups being decoded too, and
+    # the output row group being encoded), not the table
+    held = max(allocated) - baseline
+    assert held < 8 * chunk * (1 << 20) < total / 2, (held, total)
+
+    back = pcsv.read_csv(data) if fmt == "csv" else pq.read_table(data)
+    X = np.column_stack([back[c].to_numpy(zero_copy_only=False).astype(np.float64) for c in "xyz"])
+    whole = StandardScaler().fit(X)  # the in-memory fit of the whole table
+    sk = skp.StandardScaler().fit(X)
+    state = json.loads(scaler.read_text())["state"]
+    np.testing.assert_allclose(state["mean_"], whole.mean_, rtol=1e-13)
+    np.testing.assert_allclose(state["var_"], whole.var_, rtol=1e-12)
+    np.testing.assert_allclose(state["var_"], sk.var_, rtol=1e-6)  # sklearn sums 3e5 values near 1e6
+    got = pcsv.read_csv(out) if fmt == "csv" else pq.read_table(out)
+    Z = np.column_stack([got[c].to_numpy(zero_copy_only=False).astype(np.float64) for c in "xyz"])
+    np.testing.assert_allclose(Z, whole.transform(X), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(Z, sk.transform(X), rtol=1e-6, atol=1e-6)

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import numpy as np
+
+from normkit._atomic import write_text_atomic
 
 FORMAT = "normkit-scaler"
 FORMAT_VERSION = 1
@@ -50,21 +51,6 @@ def _encode(value):
     return value
 
 
-def atomic_write_text(path, text: str):
-    """Write ``text`` to ``path`` via a temporary file in the same folder, renamed at the end."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save(est, path):
     from normkit import __version__
 
@@ -79,7 +65,7 @@ def save(est, path):
         "feature_names_in": None if names is None else [str(n) for n in names],
         "state": _encode(est._get_state()),
     }
-    atomic_write_text(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    write_text_atomic(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
 
 
 def _classes():

@@ -11,6 +11,7 @@ import json
 import os
 import time
 
+from normkit._atomic import write_text_atomic
 from normkit.study import data as data_module
 from normkit.study import model as model_module
 from normkit.study.train import TrainConfig, train_one
@@ -45,10 +46,7 @@ def load_results(path) -> dict | None:
 
 
 def _save(path, results):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1, allow_nan=True)
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(results, indent=1, allow_nan=True))
 
 
 # worker processes keep the data loaded between runs

@@ -7,8 +7,11 @@
     normkit scale inverse DATA --scaler scaler.json -o OUT
 
 ``fit`` scales the numeric columns (or ``--columns``); ``transform``/``inverse`` scale the
-columns named in the scaler file and pass every other column through unchanged. Memory is
-bounded by ``--chunk-mb`` whatever the file size; outputs are written atomically.
+columns named in the scaler file and pass every other column through unchanged. Files are
+read and written a chunk at a time: peak memory is the process's start-up (about 150 MiB)
+plus about 6 times ``--chunk-mb`` whatever the file size (Parquet: plus up to about 60 MiB
+for the file's footer and the reader's and writer's buffers). Outputs are written
+atomically.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ def register(subparsers):
 
     def common(q):
         q.add_argument("--chunk-mb", type=float, default=16.0,
-                       help="memory budget of one chunk in MiB (default 16)")
+                       help="size of one chunk in MiB (default 16); peak memory is about 6x this above "
+                            "the ~150 MiB start-up, whatever the file size")
         q.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     f = sub.add_parser("fit", help="fit a scaler on one or more tables and save it as JSON")
@@ -51,50 +55,66 @@ def register(subparsers):
 def _progress(path, disable):
     from tqdm import tqdm
 
-    from normkit.io import file_format
+    from normkit.cli.scale.tables import file_format
 
     if file_format(path) == "parquet":
         import pyarrow.parquet as pq
 
-        total, unit, scale = pq.ParquetFile(path).metadata.num_rows, " rows", False
+        total, unit, scale = pq.read_metadata(path).num_rows, " rows", False
     else:
         total, unit, scale = os.path.getsize(path), "B", True
     return tqdm(total=total, unit=unit, unit_scale=scale, desc=os.path.basename(path),
                 file=sys.stderr, disable=disable, leave=False)
 
 
-def _matrix(batch, columns):
-    """The listed columns of a record batch as one (rows, columns) float64 array."""
+def _matrix(table, columns):
+    """The listed columns of a table as one (rows, columns) float64 array, nulls as NaN."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    out = np.empty((batch.num_rows, len(columns)), dtype=np.float64)
+    out = np.empty((table.num_rows, len(columns)), dtype=np.float64)
     for j, name in enumerate(columns):
-        col = batch.column(name)
-        if not pa.types.is_float64(col.type):
-            col = pc.cast(col, pa.float64())
-        out[:, j] = col.to_numpy(zero_copy_only=False)  # nulls -> NaN
+        start = 0
+        for piece in table.column(name).chunks:  # piece by piece: no concatenated copy
+            if not pa.types.is_float64(piece.type):
+                piece = pc.cast(piece, pa.float64())
+            out[start:start + len(piece), j] = piece.to_numpy(zero_copy_only=False)
+            start += len(piece)
     return out
 
 
-def _fit(args):
-    import numpy as np
+def _fit_columns(args):
+    """The columns to fit: ``--columns``, or the numeric ones (the others listed on stderr)."""
+    from normkit.cli.scale.tables import TableFormatError, file_format, read_columns
 
-    from normkit.io import TableFormatError, iter_batches, read_schema
-    from normkit.preprocessing import MinMaxScaler, StandardScaler
-
-    names, numeric = read_schema(args.data[0])
+    names, numeric, skipped = read_columns(args.data[0])
     if args.columns:
         columns = [c.strip() for c in args.columns.split(",") if c.strip()]
         unknown = [c for c in columns if c not in names]
         if unknown:
             raise TableFormatError(f"{args.data[0]}: has no columns {unknown} (it has {names}).")
-    else:
-        columns = numeric
-    if not columns:
+        typed_text = [c for c in columns if c in skipped and file_format(args.data[0]) == "parquet"]
+        if typed_text:  # a CSV column is checked value by value as it is read, with its line
+            raise TableFormatError(f"{args.data[0]}: the columns {typed_text} hold text, not numbers; "
+                                   "leave them out of --columns.")
+        return columns
+    if not numeric:
         raise TableFormatError(f"{args.data[0]}: has no numeric columns to scale (columns: {names}); "
                                "name them with --columns.")
+    if skipped:
+        print(f"normkit scale: not scaling {len(skipped)} column(s) that hold text, not numbers: "
+              f"{', '.join(skipped)}", file=sys.stderr)
+    return numeric
+
+
+def _fit(args):
+    import numpy as np
+
+    from normkit.cli.scale.tables import TableFormatError, iter_chunks
+    from normkit.preprocessing import MinMaxScaler, StandardScaler
+
+    columns = _fit_columns(args)
     if args.method == "standard":
         scaler = StandardScaler(with_mean=not args.no_center)
     else:
@@ -102,9 +122,10 @@ def _fit(args):
     chunk = int(args.chunk_mb * (1 << 20))
     for path in args.data:
         with _progress(path, args.no_progress) as bar:
-            for batch in iter_batches(path, columns, chunk, bar):
-                if batch.num_rows:
-                    scaler.partial_fit(_matrix(batch, columns))
+            for table in iter_chunks(path, columns, chunk, bar, only=True):
+                if table.num_rows:
+                    scaler.partial_fit(_matrix(table, columns))
+                del table  # not kept while the next chunk is read
     if not hasattr(scaler, "n_features_in_"):
         raise TableFormatError(f"{', '.join(args.data)}: no data rows to fit on.")
     scaler.feature_names_in_ = np.asarray(columns, dtype=object)
@@ -112,14 +133,26 @@ def _fit(args):
     return 0
 
 
+def _scaled(table, columns, scaler, inverse):
+    """``table`` with its ``columns`` scaled (or unscaled), the other columns as they are."""
+    import pyarrow as pa
+
+    X = _matrix(table, columns)
+    Z = scaler._apply(X, X, inverse=inverse)  # in place on our own buffer
+    for j, name in enumerate(columns):
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, name, pa.array(Z[:, j], type=pa.float64(), from_pandas=True))
+    return table
+
+
 def _apply(args, inverse):
     import pyarrow as pa
 
-    from normkit.io import TableFormatError, TableWriter, atomic_path, file_format, iter_batches
+    from normkit._atomic import atomic_path
+    from normkit.cli.scale.tables import TableFormatError, TableWriter, column_names, file_format, iter_chunks
     from normkit.preprocessing import load_scaler
 
     out_format = file_format(args.output)
-
     scaler = load_scaler(args.scaler)
     names = getattr(scaler, "feature_names_in_", None)
     if names is None:
@@ -130,31 +163,19 @@ def _apply(args, inverse):
     with atomic_path(args.output) as tmp, _progress(args.data, args.no_progress) as bar:
         writer = None
         try:
-            for batch in iter_batches(args.data, columns, chunk, bar):
-                missing = [c for c in columns if c not in batch.schema.names]
-                if missing:
-                    raise TableFormatError(f"{args.data}: lacks the scaler's columns {missing}.")
-                X = _matrix(batch, columns)
-                Z = scaler._apply(X, X, inverse=inverse)  # in place on our own buffer
-                arrays = []
-                for name, col in zip(batch.schema.names, batch.columns):
-                    if name in columns:
-                        col = pa.array(Z[:, columns.index(name)], type=pa.float64(), from_pandas=True)
-                    arrays.append(col)
-                out = pa.RecordBatch.from_arrays(arrays, names=batch.schema.names)
+            for table in iter_chunks(args.data, columns, chunk, bar):
+                out = _scaled(table, columns, scaler, inverse)
                 if writer is None:
                     writer = TableWriter(tmp, out.schema, out_format)
                 writer.write(out)
+                del table, out  # not kept while the next chunk is read
+            if writer is None:  # an empty table: write its header / schema only
+                all_names = column_names(args.data)
+                writer = TableWriter(tmp, pa.schema([(n, pa.float64() if n in columns else pa.string())
+                                                     for n in all_names]), out_format)
         finally:
             if writer is not None:
                 writer.close()
-        if writer is None:  # an empty table: write its header / schema only
-            from normkit.io import read_schema
-
-            all_names, _ = read_schema(args.data)
-            schema = pa.schema([(n, pa.float64() if n in columns else pa.string()) for n in all_names])
-            w = TableWriter(tmp, schema, out_format)
-            w.close()
     return 0
 
 
