@@ -11,6 +11,7 @@ numba (extra ``fast``) makes them multi-threaded.
 from normkit.preprocessing._persist import ScalerFileError
 from normkit.preprocessing._persist import load as _load
 from normkit.preprocessing._scalers import (
+    SCALERS,
     MinMaxScaler,
     StandardScaler,
     min_max_scale,
@@ -29,4 +30,4 @@ __all__ = [
 
 def load_scaler(path):
     """Read a scaler file written by ``save`` (either kind) and return the fitted scaler."""
-    return _load(path)
+    return _load(path, SCALERS)

@@ -68,14 +68,9 @@ def save(est, path):
     write_text_atomic(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
 
 
-def _classes():
-    from normkit.preprocessing._scalers import MinMaxScaler, StandardScaler
-
-    return {"StandardScaler": StandardScaler, "MinMaxScaler": MinMaxScaler}
-
-
-def load(path, expected=None):
-    """Read a scaler file; ``expected`` (a class) must match the stored estimator if given."""
+def load(path, classes, expected=None):
+    """Read a scaler file; ``classes`` maps the estimator names a file may hold to their
+    classes; ``expected`` (a class) must match the stored estimator if given."""
     path = os.fspath(path)
 
     def fail(what, fix="refit the scaler and save it again"):
@@ -99,7 +94,6 @@ def load(path, expected=None):
     if version > FORMAT_VERSION:
         fail(f"has format_version {version}, newer than this normkit reads ({FORMAT_VERSION})",
              "upgrade normkit")
-    classes = _classes()
     name = doc.get("estimator")
     if name not in classes:
         fail(f"holds an unknown estimator {name!r} (known: {sorted(classes)})")

@@ -93,7 +93,7 @@ class _ScalerBase(OneToOneFeatureMixin, TransformerMixin, BaseEstimator):
     def load(cls, path):
         """Read a scaler written by :meth:`save`; raises ``ValueError`` naming the problem when
         the file is corrupt, of another format version, or holds another kind of scaler."""
-        return _persist.load(path, expected=cls)
+        return _persist.load(path, SCALERS, expected=cls)
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -469,3 +469,7 @@ def min_max_scale(X, feature_range=(0, 1), axis=0):
     [[-1.0, -1.0], [1.0, 1.0]]
     """
     return _along(X, axis, MinMaxScaler(feature_range=feature_range))
+
+
+#: the estimators a scaler file may hold, by the name stored in it
+SCALERS = {"StandardScaler": StandardScaler, "MinMaxScaler": MinMaxScaler}
