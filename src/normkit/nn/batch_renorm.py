@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from normkit import functional as F
-from normkit.nn.batchnorm import _BatchNorm
+from normkit.nn.batchnorm import DIM_DOC, _BatchNorm
 
 __all__ = ["BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d"]
 
@@ -114,21 +114,15 @@ _BRN_DOC = r"""Batch Renormalization over a {ndim}D input ``(N, C{spatial})`` (I
 
 
 class BatchRenorm1d(_BatchRenorm):
-    __doc__ = _BRN_DOC.format(ndim="2D or 3", spatial=", [L]", over=" (and L)",
-                              shape="(N, C) or (N, C, L)", name="BatchRenorm1d",
-                              example="8, 3")
+    __doc__ = _BRN_DOC.format(name="BatchRenorm1d", **DIM_DOC[1])
     _accepted_dims = (2, 3)
 
 
 class BatchRenorm2d(_BatchRenorm):
-    __doc__ = _BRN_DOC.format(ndim="4", spatial=", H, W", over=", H and W",
-                              shape="(N, C, H, W)", name="BatchRenorm2d",
-                              example="8, 3, 5, 5")
+    __doc__ = _BRN_DOC.format(name="BatchRenorm2d", **DIM_DOC[2])
     _accepted_dims = (4,)
 
 
 class BatchRenorm3d(_BatchRenorm):
-    __doc__ = _BRN_DOC.format(ndim="5", spatial=", D, H, W", over=", D, H and W",
-                              shape="(N, C, D, H, W)", name="BatchRenorm3d",
-                              example="4, 3, 2, 5, 5")
+    __doc__ = _BRN_DOC.format(name="BatchRenorm3d", **DIM_DOC[3])
     _accepted_dims = (5,)

@@ -69,21 +69,27 @@ _BN_DOC = r"""Batch normalization over a {ndim}D input ``(N, C{spatial})`` (Ioff
 """
 
 
+#: the docstring fields of the 1d/2d/3d variants (shared with BatchRenorm)
+DIM_DOC = {
+    1: dict(ndim="2D or 3", spatial=", [L]", over=" (and L)", shape="(N, C) or (N, C, L)",
+            example="8, 3"),
+    2: dict(ndim="4", spatial=", H, W", over=", H and W", shape="(N, C, H, W)",
+            example="8, 3, 5, 5"),
+    3: dict(ndim="5", spatial=", D, H, W", over=", D, H and W", shape="(N, C, D, H, W)",
+            example="4, 3, 2, 5, 5"),
+}
+
+
 class BatchNorm1d(_BatchNorm):
-    __doc__ = _BN_DOC.format(ndim="2D or 3", spatial=", [L]", over=" (and L)",
-                             shape="(N, C) or (N, C, L)", name="BatchNorm1d",
-                             example="8, 3")
+    __doc__ = _BN_DOC.format(name="BatchNorm1d", **DIM_DOC[1])
     _accepted_dims = (2, 3)
 
 
 class BatchNorm2d(_BatchNorm):
-    __doc__ = _BN_DOC.format(ndim="4", spatial=", H, W", over=", H and W",
-                             shape="(N, C, H, W)", name="BatchNorm2d", example="8, 3, 5, 5")
+    __doc__ = _BN_DOC.format(name="BatchNorm2d", **DIM_DOC[2])
     _accepted_dims = (4,)
 
 
 class BatchNorm3d(_BatchNorm):
-    __doc__ = _BN_DOC.format(ndim="5", spatial=", D, H, W", over=", D, H and W",
-                             shape="(N, C, D, H, W)", name="BatchNorm3d",
-                             example="4, 3, 2, 5, 5")
+    __doc__ = _BN_DOC.format(name="BatchNorm3d", **DIM_DOC[3])
     _accepted_dims = (5,)

@@ -159,7 +159,9 @@ if numba is not None:
         return mn, mx
 
     @numba.njit(parallel=True, cache=True, fastmath=False)
-    def _sub_div_nb(X, sub, div, out, chunk_rows):  # pragma: no cover - jitted
+    def _affine_nb(X, a, b, out, divide, do_clip, lo_clip, hi_clip, chunk_rows):  # pragma: no cover
+        """``(x - a) / b`` (``divide``) or ``x * a + b`` per column, in float64, cast once on
+        store; optionally clipped; returns the count of infinite inputs."""
         n, p = X.shape
         n_chunks = (n + chunk_rows - 1) // chunk_rows
         n_inf = np.zeros(n_chunks, dtype=np.int64)
@@ -171,24 +173,7 @@ if numba is not None:
                 for j in range(p):
                     x = np.float64(X[i, j])
                     k += 1 if abs(x) == np.inf else 0
-                    out[i, j] = (x - sub[j]) / div[j]  # float64, cast once on store
-            n_inf[c] = k
-        return n_inf.sum()
-
-    @numba.njit(parallel=True, cache=True, fastmath=False)
-    def _mul_add_nb(X, mul, add, out, do_clip, lo_clip, hi_clip, chunk_rows):  # pragma: no cover
-        n, p = X.shape
-        n_chunks = (n + chunk_rows - 1) // chunk_rows
-        n_inf = np.zeros(n_chunks, dtype=np.int64)
-        for c in numba.prange(n_chunks):
-            lo = c * chunk_rows
-            hi = min(n, lo + chunk_rows)
-            k = 0
-            for i in range(lo, hi):
-                for j in range(p):
-                    x = np.float64(X[i, j])
-                    k += 1 if abs(x) == np.inf else 0
-                    y = x * mul[j] + add[j]
+                    y = (x - a[j]) / b[j] if divide else x * a[j] + b[j]
                     if do_clip:
                         y = lo_clip if y < lo_clip else y
                         y = hi_clip if y > hi_clip else y
@@ -254,7 +239,7 @@ def subtract_divide(X, sub, div, out) -> int:
     sub, div = _vec(sub, p), _vec(div, p)
     if USE_NUMBA:
         with _threads_for(X):
-            return int(_sub_div_nb(X, sub, div, out, CHUNK_ROWS))
+            return int(_affine_nb(X, sub, div, out, True, False, 0.0, 0.0, CHUNK_ROWS))
     n_inf = 0
     for b0 in range(0, X.shape[0], NUMPY_BLOCK_ROWS):
         blk = X[b0:b0 + NUMPY_BLOCK_ROWS]
@@ -270,7 +255,8 @@ def multiply_add(X, mul, add, out, clip=None) -> int:
     if USE_NUMBA:
         lo, hi = (0.0, 0.0) if clip is None else (float(clip[0]), float(clip[1]))
         with _threads_for(X):
-            return int(_mul_add_nb(X, mul, add, out, clip is not None, lo, hi, CHUNK_ROWS))
+            return int(_affine_nb(X, mul, add, out, False, clip is not None, lo, hi,
+                                   CHUNK_ROWS))
     n_inf = 0
     for b0 in range(0, X.shape[0], NUMPY_BLOCK_ROWS):
         blk = X[b0:b0 + NUMPY_BLOCK_ROWS]
