@@ -39,7 +39,7 @@ def test_convert_swaps_exact_types_and_keeps_tensors():
             assert p is params_before[n]
     assert not model[1].weight.requires_grad
     assert not any(m.training for m in model)
-    assert "swapped 5 module(s), skipped 1" in str(report)
+    assert "swapped 5 module(s), routed 0, left 1" in str(report)
 
 
 def test_revert_restores_torch_layers():
