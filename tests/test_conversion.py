@@ -54,22 +54,6 @@ def test_revert_restores_torch_layers():
         assert torch.equal(a, b), n
 
 
-def test_convnext_layer_norm_subclass_is_left_in_place():
-    from transformers import ConvNextConfig, ConvNextModel
-
-    cfg = ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
-                         image_size=32)
-    model = ConvNextModel(cfg)
-    report = normkit.convert(model)
-    skipped = {name for name, _, _ in report.skipped}
-    assert any("ConvNextLayerNorm" in kind for _, kind, _ in report.skipped)
-    for name, module in model.named_modules():
-        if type(module).__name__ == "ConvNextLayerNorm":
-            assert name in skipped
-    # the plain nn.LayerNorm layers inside the blocks were swapped
-    assert any(new == "normkit.nn.LayerNorm" for _, _, new in report.swapped)
-
-
 def test_siglip_vision_model_outputs_and_gradients_identical():
     from transformers import SiglipVisionConfig, SiglipVisionModel
 

@@ -40,7 +40,7 @@ VISION = {
                        strides=[4, 2], mlp_ratios=[2, 2])),
     "efficientnet": ("EfficientNetConfig", "EfficientNetModel",
                      dict(image_size=IMAGE, width_coefficient=0.25, depth_coefficient=0.25,
-                          hidden_dim=64)),
+                          hidden_dim=320)),
 }
 
 

@@ -90,7 +90,10 @@ def _rewired(fn):
             replaced[name] = modules[id(value)]
         elif id(value) in _BY_ID and value in _ROUTES:
             replaced[name] = _BY_ID[id(value)]
-    if not replaced:
+    reaches = any(v is not modules.get(id(TF)) and v in _ROUTES.values() for v in
+                  replaced.values()) or "functional" in names or \
+        any(fn.__globals__.get(n) is TF for n in replaced)
+    if not reaches:             # e.g. torch.layer_norm: a torch op normkit does not route
         return None
     new = types.FunctionType(fn.__code__, {**fn.__globals__, **replaced}, fn.__name__,
                              fn.__defaults__, fn.__closure__)
