@@ -56,3 +56,37 @@ def build(name, seed=0):
 def pixels(batch=2, seed=0, dtype=torch.float32):
     return torch.randn(batch, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(seed),
                        dtype=dtype)
+
+
+_DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                max_position_embeddings=64)
+
+# name -> (config class, model class, config kwargs): causal language models
+LANGUAGE = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _DECODER),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _DECODER),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_DECODER, head_dim=8)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", _DECODER),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(_DECODER, num_local_experts=2, num_experts_per_tok=1)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_DECODER, head_dim=8)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_DECODER, head_dim=8)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_DECODER, pad_token_id=0)),
+    "t5": ("T5Config", "T5ForConditionalGeneration",
+           dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=128,
+                dropout_rate=0.0)),
+}
+
+
+def build_language(name, seed=0, dtype=torch.float32):
+    import transformers
+
+    config_name, model_name, kwargs = LANGUAGE[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**kwargs)
+    return getattr(transformers, model_name)(config).to(dtype)
+
+
+def tokens(batch=2, length=12, seed=0):
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
