@@ -73,7 +73,10 @@ def _convert_one(name, module, report):
             return llm.swap_rms(module, eps_name, rule)
         report.left.append((name, qualified(kind), f"RMSNorm-shaped, but {rule}"))
         return None
-    if _norm_like(module) and not module._modules:
+    if isinstance(module, _TORCH_BASES):
+        report.left.append((name, qualified(kind), "a torch norm class normkit has no twin for "
+                            "(a lazy layer: run one forward first, then convert)"))
+    elif _norm_like(module) and not module._modules:
         report.left.append((name, qualified(kind), "norm-like name, but neither a torch norm "
                             "subclass nor an RMSNorm with a weight and an epsilon attribute "
                             "('variance_epsilon' or 'eps')"))

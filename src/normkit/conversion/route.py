@@ -169,8 +169,9 @@ def _probe_layout(module):
                 except (RuntimeError, ValueError, TypeError, IndexError):
                     continue
                 got = forward(module, x)
+                tol = 32 * torch.finfo(x.dtype).eps if x.dtype != torch.float64 else 1e-9
                 if isinstance(want, torch.Tensor) and want.shape == got.shape and \
-                        torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-4):
+                        torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
                     return layout
     finally:
         module._parameters.update(saved)
