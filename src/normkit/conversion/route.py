@@ -90,10 +90,9 @@ def _rewired(fn):
             replaced[name] = modules[id(value)]
         elif id(value) in _BY_ID and value in _ROUTES:
             replaced[name] = _BY_ID[id(value)]
-    reaches = any(v is not modules.get(id(TF)) and v in _ROUTES.values() for v in
-                  replaced.values()) or "functional" in names or \
-        any(fn.__globals__.get(n) is TF for n in replaced)
-    if not reaches:             # e.g. torch.layer_norm: a torch op normkit does not route
+    direct = any(id(fn.__globals__[n]) in _BY_ID for n in replaced)   # from F import ...
+    via_functional = "functional" in names or any(fn.__globals__[n] is TF for n in replaced)
+    if not (direct or via_functional):   # e.g. torch.layer_norm: an op normkit does not route
         return None
     new = types.FunctionType(fn.__code__, {**fn.__globals__, **replaced}, fn.__name__,
                              fn.__defaults__, fn.__closure__)
