@@ -161,8 +161,8 @@ def _probe_layout(module):
                         torch.randn(p.shape, generator=gen).to(p), requires_grad=False)
             for layout, (forward, shape) in _LAYOUTS.items():
                 x = torch.randn([c if s == -1 else s for s in shape], generator=gen)
-                x = x.to(next((p.dtype for p in saved.values() if p is not None),
-                              torch.float32)) * 2 + 0.5
+                like = next((p for p in saved.values() if p is not None), None)
+                x = (x if like is None else x.to(like)) * 2 + 0.5   # the params' dtype, device
                 try:
                     want = module.forward(x)
                 except (RuntimeError, ValueError, TypeError, IndexError):
