@@ -22,7 +22,11 @@ NAMES = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d", "Instanc
 def test_constructor_signature_is_torchs(name):
     ours = inspect.signature(getattr(nknn, name).__init__).parameters
     theirs = inspect.signature(getattr(tnn, name).__init__).parameters
-    assert list(ours) == list(theirs)
+    assert list(ours)[:len(theirs)] == list(theirs)
+    # normkit's own options come after torch's, keyword-only (RMSNorm's offset and casting)
+    extra = list(ours)[len(theirs):]
+    assert all(ours[k].kind is inspect.Parameter.KEYWORD_ONLY for k in extra), extra
+    assert extra == ([] if name != "RMSNorm" else ["offset", "casting"])
     for key in theirs:
         assert ours[key].kind == theirs[key].kind, key
         assert ours[key].default == theirs[key].default, key

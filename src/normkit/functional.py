@@ -20,6 +20,7 @@ import torch
 from normkit import grouping as G
 from normkit.autograd import add_norm, apply_norm
 from normkit.backends.torch_ops import stat_dtype
+from normkit.rms_casting import check_casting, normalize_dtype, scale_and_cast
 
 __all__ = ["batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm", "normalize",
            "batch_renorm", "add_layer_norm", "add_rms_norm"]
@@ -192,16 +193,34 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return apply_norm(input, G.layer(input.shape, len(shape)), weight, bias, eps)[0]
 
 
-def rms_norm(input, normalized_shape, weight=None, eps=None):
+def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, casting="torch"):
     r"""RMS normalization (Zhang & Sennrich, 2019): LayerNorm without centering.
 
-    .. math:: y = \frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}} \cdot \gamma
+    .. math:: y = \frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}} \cdot (\text{offset}
+              + \gamma)
 
-    ``eps=None`` uses ``torch.finfo(input.dtype).eps``, as torch does.
+    ``eps=None`` uses ``torch.finfo(input.dtype).eps``, as torch does. Keyword-only, for
+    language models: ``offset`` (Gemma stores the weight as an offset from 1:
+    ``offset=1.0``) and ``casting``, where the cast to the output dtype happens:
+    ``"torch"`` (torch.nn.RMSNorm's, one fused op), ``"llama"``, ``"gemma"`` or ``"t5"``
+    (see ``normkit.rms_casting``).
+
+    Example::
+
+        >>> x = torch.randn(2, 8, dtype=torch.bfloat16)
+        >>> y = rms_norm(x, [8], torch.zeros(8, dtype=torch.bfloat16), 1e-6, offset=1.0,
+        ...              casting="gemma")
     """
     shape = _check_normalized_shape(input, normalized_shape, weight, None, "rms_norm")
     if eps is None:
         eps = torch.finfo(input.dtype).eps
+    check_casting(casting, offset, weight)
+    if casting != "torch":                       # normalize as the model does, then its cast
+        x = input.to(normalize_dtype(input, casting))
+        x_hat = apply_norm(x, G.layer(x.shape, len(shape)), None, None, eps, False)[0]
+        return scale_and_cast(x_hat, input.dtype, weight, offset, casting)
+    if offset:
+        weight = offset + weight
     return apply_norm(input, G.layer(input.shape, len(shape)), weight, None, eps, False)[0]
 
 

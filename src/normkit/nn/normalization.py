@@ -10,6 +10,7 @@ from torch import nn
 
 from normkit import functional as F
 from normkit.nn._base import check_eps, init_affine, reset_affine
+from normkit.rms_casting import check_casting
 
 __all__ = ["LayerNorm", "GroupNorm", "RMSNorm"]
 
@@ -131,13 +132,19 @@ class RMSNorm(nn.Module):
     r"""Root-mean-square normalization (Zhang & Sennrich, 2019): LayerNorm without
     centering.
 
-    .. math:: y = \frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}} * \gamma
+    .. math:: y = \frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}} * (\text{offset} + \gamma)
 
     Args:
         normalized_shape: the trailing shape to normalize over (int or list).
         eps: added inside the square root; None uses ``torch.finfo(x.dtype).eps``.
             Default: None.
         elementwise_affine: learnable weight (init 1). Default: True.
+        offset: keyword-only; the layer scales by ``offset + weight`` and initializes the
+            weight to ``1 - offset`` (Gemma stores the weight as an offset from 1:
+            ``offset=1.0``, weight init 0). Default: 0.0.
+        casting: keyword-only; where the cast to the output dtype happens: ``"torch"``
+            (this class's own), ``"llama"``, ``"gemma"``, ``"t5"`` (see
+            ``normkit.rms_casting``). Default: ``"torch"``.
 
     Shape:
         Input and output: ``(*, *normalized_shape)``.
@@ -151,13 +158,16 @@ class RMSNorm(nn.Module):
     __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
-                 dtype=None):
+                 dtype=None, *, offset=0.0, casting="torch"):
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
         self.normalized_shape = _as_shape(normalized_shape, type(self).__name__)
         check_eps(eps, type(self).__name__, allow_none=True)
+        check_casting(casting, offset, True if elementwise_affine else None)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
+        self.offset = offset
+        self.casting = casting
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
         else:
@@ -165,11 +175,15 @@ class RMSNorm(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        reset_affine(self)
+        if self.weight is not None:
+            nn.init.constant_(self.weight, 1.0 - self.offset)   # offset + weight = 1
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps,
+                          offset=self.offset, casting=self.casting)
 
     def extra_repr(self) -> str:
+        extra = "" if self.offset == 0 else f", offset={self.offset}"
+        extra += "" if self.casting == "torch" else f", casting={self.casting!r}"
         return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}")
+                f"elementwise_affine={self.elementwise_affine}{extra}")

@@ -1,0 +1,157 @@
+"""``normkit.convert(model)`` and ``normkit.revert(model)``: run a model's normalizations
+on normkit, in place, and back.
+
+``convert`` looks at every module and does the first that applies:
+
+1. **swap** a module whose type is exactly a torch.nn norm class for its normkit twin
+   (``swap``); likewise a subclass that keeps torch's ``forward`` and adds no tensor or
+   child (the twin's class carries its extra attributes);
+2. **route** a subclass that overrides ``forward``: a LayerNorm over one dim whose forward
+   is channels-first or channels-last layer normalization on a probe input gets normkit's
+   op as its forward; otherwise the ``torch.nn.functional`` norm calls in its methods run
+   on normkit's ops, the rest of its code unchanged (``route``);
+3. **swap** a language model's RMSNorm (a ``weight``, an epsilon, and a forward that
+   computes one of the RMSNorm casting rules on probe inputs) for ``normkit.nn.RMSNorm``
+   with that rule (``llm``);
+4. otherwise, if the module is norm-like (a torch norm subclass, or a class whose name
+   contains ``Norm``), **leave** it and say why in the report.
+
+``revert`` undoes each: swapped modules are rebuilt as the original class around the same
+tensors, routed ones get their class back.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+import normkit.nn as nknn
+from normkit.conversion import llm, route, swap
+from normkit.conversion.classes import qualified
+from normkit.conversion.report import ConversionReport
+
+__all__ = ["convert", "revert", "ConversionReport"]
+
+_TORCH_BASES = tuple(src for src, _, _ in swap.PAIRS) + (nn.modules.batchnorm._NormBase,)
+_NORMKIT_BASES = tuple(dst for _, dst, _ in swap.PAIRS) + (nknn._base.NormBase,)
+
+
+def _norm_like(module) -> bool:
+    return isinstance(module, _TORCH_BASES) or "Norm" in type(module).__name__
+
+
+def _convert_one(name, module, report):
+    """The replacement of ``module`` (None: kept, maybe routed), recording what happened."""
+    kind = type(module)
+    pairs = swap.table()
+    found = swap.torch_base(kind, pairs)
+    if route.is_routed(module) or isinstance(module, _NORMKIT_BASES):
+        return None
+    if found is not None:
+        src, dst, args = found
+        try:
+            if kind is src:
+                return swap.twin(module, dst, args(module))
+            reason = swap.plain_subclass_reason(module, src, args)
+            if reason is None:
+                return swap.swap_subclass(module, src, dst, args)
+        except ValueError as err:  # e.g. eps=0, which normkit refuses
+            report.left.append((name, qualified(kind), str(err)))
+            return None
+        how = route.route_layer_norm(module) if isinstance(module, nn.LayerNorm) else None
+        how = how or route.route(module, src)
+        if how is not None:
+            report.routed.append((name, qualified(kind), how))
+        else:
+            report.left.append((name, qualified(kind), f"subclass of {qualified(src)} that "
+                                f"{reason} without calling torch.nn.functional's norm ops, "
+                                f"so normkit cannot tell what it computes"))
+        return None
+    eps_name = llm.rms_structure(module)
+    if eps_name is not None:
+        rule = llm.probe_rule(module, eps_name)
+        if isinstance(rule, tuple):
+            return llm.swap_rms(module, eps_name, rule)
+        report.left.append((name, qualified(kind), f"RMSNorm-shaped, but {rule}"))
+        return None
+    if isinstance(module, _TORCH_BASES):
+        report.left.append((name, qualified(kind), "a torch norm class normkit has no twin for "
+                            "(a lazy layer: run one forward first, then convert)"))
+    elif _norm_like(module) and not module._modules:
+        report.left.append((name, qualified(kind), "norm-like name, but neither a torch norm "
+                            "subclass nor an RMSNorm with a weight and an epsilon attribute "
+                            "('variance_epsilon' or 'eps')"))
+    return None
+
+
+def _revert_one(name, module, report):
+    pairs = [(dst, src, args) for src, dst, args in swap.table()]
+    kind = type(module)
+    if route.is_routed(module):
+        report.routed.append((name, qualified(kind), f"class {route.unroute(module)} restored"))
+        return None
+    source = vars(kind).get("_normkit_source")
+    if source is not None and issubclass(kind, nknn.RMSNorm) and len(source) == 2 and \
+            isinstance(source[1], str):
+        return llm.revert_rms(module)
+    if source is not None:
+        return swap.revert_subclass(module, [(s, d, a) for d, s, a in pairs])
+    exact = {src: (dst, args) for src, dst, args in pairs}
+    if kind in exact:
+        dst, args = exact[kind]
+        try:
+            return swap.twin(module, dst, args(module))
+        except ValueError as err:
+            report.left.append((name, qualified(kind), str(err)))
+    return None
+
+
+def _walk(model, one):
+    report = ConversionReport(model)
+
+    def visit(name, module):
+        new = one(name, module, report)
+        if new is not None:
+            report.swapped.append((name, qualified(type(module)), qualified(type(new))))
+        return new
+
+    root = visit("", model)
+    if root is not None:
+        report.model = root
+        return report
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            new = visit(full, child)
+            if new is not None:
+                setattr(parent, child_name, new)
+    return report
+
+
+def convert(model: nn.Module) -> ConversionReport:
+    """Run every normalization in ``model`` on normkit, in place: swap torch.nn norm
+    layers (and their plain subclasses, and language models' RMSNorm classes) for normkit
+    layers, route the norm calls of subclasses with their own forward; report the rest.
+
+    Returns a ``ConversionReport``; ``report.model`` is the converted model (``model``
+    itself unless ``model`` is a single normalization layer).
+
+    Example::
+
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
+        >>> print(convert(net))
+        swapped 1 module(s), routed 0, left 0
+          swapped 1: torch.nn.LayerNorm -> normkit.nn.LayerNorm
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}; "
+                        f"pass the model itself")
+    return _walk(model, _convert_one)
+
+
+def revert(model: nn.Module) -> ConversionReport:
+    """Undo ``convert``: normkit layers become the torch (or model) classes they were
+    swapped from, routed modules get their class back."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"revert expects a torch.nn.Module, got {type(model).__name__}; "
+                        f"pass the model itself")
+    return _walk(model, _revert_one)

@@ -1,0 +1,204 @@
+r"""Routing: a module keeps its class's code, and its norm calls run on normkit's ops.
+
+A subclass of a torch norm class that overrides ``forward`` (BiT's GroupNorm followed by
+an activation, timm's ``BatchNormAct2d``) stays in place; its class becomes a routed
+subclass whose methods are the very same code objects, re-bound to a copy of their
+module's globals in which
+
+* ``torch.nn.functional.{batch_norm, layer_norm, group_norm, instance_norm, rms_norm}``
+  (imported by name) are ``normkit.functional``'s ops of the same signature, and
+* the modules ``torch``, ``torch.nn`` and ``torch.nn.functional`` are copies of
+  themselves whose ``functional`` has those five ops replaced.
+
+Everything else the method does (an activation, a permute, the running-statistics
+bookkeeping) runs unchanged. Nothing global is patched: other modules of the same class,
+other threads, and the rest of the program see torch's functions, and the routed method
+is an ordinary Python function with plain globals, which torch.compile traces like the
+original. The globals are a snapshot taken when the class is first routed.
+
+LayerNorm subclasses over one channel dim are recognised by what their forward does on
+a probe input: channels-last (transformers' ``ConvNextLayerNorm``'s default) is
+``layer_norm`` over the last dim; channels-first (``ConvNextLayerNorm(...,
+data_format="channels_first")``, timm's ``LayerNorm2d``) is ``normalize`` over dim 1
+with the per-channel affine
+
+.. math:: y_{n,c,\dots} = \gamma_c\,\frac{x_{n,c,\dots} - \mu_{n,\dots}}
+          {\sqrt{\sigma^2_{n,\dots} + \epsilon}} + \beta_c
+
+so no permute is run. Their forward is replaced by that one call.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as TF
+from torch import nn
+
+from normkit import functional as nF
+from normkit.conversion.classes import derived_class
+
+__all__ = ["route", "route_layer_norm", "unroute", "is_routed"]
+
+_ROUTES = {TF.batch_norm: nF.batch_norm, TF.layer_norm: nF.layer_norm,
+           TF.group_norm: nF.group_norm, TF.instance_norm: nF.instance_norm,
+           TF.rms_norm: nF.rms_norm}
+_BY_ID = {id(f): g for f, g in _ROUTES.items()}
+_NAMES = frozenset(f.__name__ for f in _ROUTES)
+_MODULES: dict = {}
+
+
+def _module_copy(module, replacements):
+    copy = types.ModuleType(module.__name__, module.__doc__)
+    copy.__dict__.update(vars(module))
+    copy.__dict__.update(replacements)
+    return copy
+
+
+def _routed_modules():
+    """id(torch module) -> its routed copy, built once."""
+    if not _MODULES:
+        functional = _module_copy(TF, {f.__name__: g for f, g in _ROUTES.items()})
+        torch_nn = _module_copy(nn, {"functional": functional})
+        torch_copy = _module_copy(torch, {"nn": torch_nn})
+        _MODULES.update({id(TF): functional, id(nn): torch_nn, id(torch): torch_copy})
+    return _MODULES
+
+
+def _names(code) -> set:
+    """Every global or attribute name ``code`` and its nested code objects use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _rewired(fn):
+    """``fn`` re-bound to globals with the norm ops routed, or None if it calls none."""
+    names = _names(fn.__code__)
+    if not names & _NAMES:
+        return None
+    modules = _routed_modules()
+    replaced = {}
+    for name in names:
+        value = fn.__globals__.get(name)
+        if value is None:
+            continue
+        if id(value) in modules and value is not modules[id(value)]:
+            replaced[name] = modules[id(value)]
+        elif id(value) in _BY_ID and value in _ROUTES:
+            replaced[name] = _BY_ID[id(value)]
+    direct = any(id(fn.__globals__[n]) in _BY_ID for n in replaced)   # from F import ...
+    via_functional = "functional" in names or any(fn.__globals__[n] is TF for n in replaced)
+    if not (direct or via_functional):   # e.g. torch.layer_norm: an op normkit does not route
+        return None
+    new = types.FunctionType(fn.__code__, {**fn.__globals__, **replaced}, fn.__name__,
+                             fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__, new.__doc__ = fn.__qualname__, fn.__doc__
+    return new
+
+
+def _rewired_methods(kind, stop):
+    """The routed versions of the methods instances of ``kind`` run, from ``kind`` up to
+    and including the torch class ``stop`` (the first definition of each name wins)."""
+    seen, methods = set(), {}
+    for klass in kind.__mro__:
+        for name, value in vars(klass).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            if isinstance(value, types.FunctionType):
+                new = _rewired(value)
+                if new is not None:
+                    methods[name] = new
+        if klass is stop:
+            break
+    return methods
+
+
+def route(module, stop):
+    """Give ``module`` its routed class; returns how, or None when its methods call none
+    of the five ops through ``torch.nn.functional``."""
+    kind = type(module)
+    methods = _rewired_methods(kind, stop)
+    if not methods:
+        return None
+    routed = derived_class("routed", kind, (kind,),
+                           lambda: dict(methods, _normkit_routed_from=kind))
+    module.__class__ = routed
+    return f"torch.nn.functional norm calls in {', '.join(sorted(methods))} run on normkit"
+
+
+def _channels_first_forward(self, input):
+    shape = (-1,) + (1,) * (input.dim() - 2)                      # C, 1, ..., 1
+    weight = None if self.weight is None else self.weight.view(shape)
+    bias = None if self.bias is None else self.bias.view(shape)
+    return nF.normalize(input, (1,), self.eps, weight, bias)
+
+
+def _channels_last_forward(self, input):
+    return nF.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+_LAYOUTS = {"channels_first": (_channels_first_forward, (2, -1, 3, 5)),
+            "channels_last": (_channels_last_forward, (2, 3, 5, -1))}
+
+
+def _probe_layout(module):
+    """Which layout ``module.forward`` computes on probe inputs, with random affine
+    parameters swapped in for the probe (None when neither)."""
+    (c,) = module.normalized_shape
+    gen = torch.Generator().manual_seed(0)
+    saved = dict(module._parameters)
+    try:
+        with torch.no_grad():
+            for name, p in saved.items():
+                if p is not None:
+                    module._parameters[name] = nn.Parameter(
+                        torch.randn(p.shape, generator=gen).to(p), requires_grad=False)
+            for layout, (forward, shape) in _LAYOUTS.items():
+                x = torch.randn([c if s == -1 else s for s in shape], generator=gen)
+                like = next((p for p in saved.values() if p is not None), None)
+                x = (x if like is None else x.to(like)) * 2 + 0.5   # the params' dtype, device
+                try:
+                    want = module.forward(x)
+                except (RuntimeError, ValueError, TypeError, IndexError):
+                    continue
+                got = forward(module, x)
+                tol = 32 * torch.finfo(x.dtype).eps if x.dtype != torch.float64 else 1e-9
+                if isinstance(want, torch.Tensor) and want.shape == got.shape and \
+                        torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+                    return layout
+    finally:
+        module._parameters.update(saved)
+    return None
+
+
+def route_layer_norm(module):
+    """Route a LayerNorm subclass over one dim whose forward is channels-first or
+    channels-last layer normalization; returns how, or None."""
+    if len(module.normalized_shape) != 1:
+        return None
+    layout = _probe_layout(module)
+    if layout is None:
+        return None
+    kind = type(module)
+    forward = _LAYOUTS[layout][0]
+    routed = derived_class(f"routed_{layout}", kind, (kind,),
+                           lambda: dict(forward=forward, _normkit_routed_from=kind))
+    module.__class__ = routed
+    how = "normalize over dim 1" if layout == "channels_first" else "layer_norm"
+    return f"{layout}: forward is normkit's {how}"
+
+
+def is_routed(module) -> bool:
+    return "_normkit_routed_from" in vars(type(module))
+
+
+def unroute(module) -> str:
+    """Give a routed module its own class back; returns that class's name."""
+    module.__class__ = type(module)._normkit_routed_from
+    return type(module).__qualname__
