@@ -7,8 +7,9 @@ import os
 import numpy as np
 
 from normkit.study.analysis import NAMES, TARGET_LOSS, reference_batch
+from normkit.study.shift import movement
 
-__all__ = ["plot_all", "PLOTS"]
+__all__ = ["plot_all", "plot_vit", "PLOTS", "SHIFT_PLOT", "VIT_PLOT"]
 
 PLOTS = {
     "batch_size": "study-batch-size.png",
@@ -16,6 +17,8 @@ PLOTS = {
     "train_eval": "study-bn-train-eval.png",
     "train_loss": "study-train-loss.png",
 }
+SHIFT_PLOT = "study-covariate-shift.png"
+VIT_PLOT = "study-vit.png"
 STYLE = {"none": ("#777777", "--"), "batch": ("#d62728", "-"), "batchrenorm": ("#ff7f0e", "-"),
          "group": ("#1f77b4", "-"), "layer": ("#2ca02c", "-"), "instance": ("#9467bd", "-"),
          "rms": ("#8c564b", "-")}
@@ -160,11 +163,75 @@ def plot_train_loss(summary, protocol, path):
     plt.close(fig)
 
 
+def plot_shift(runs, path):
+    """The BatchNorm paper's Figure 1 (b, c): the 15th, 50th and 85th percentiles of one
+    channel's pre-activation over training, one panel per method."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs), 3.4), sharex=True, squeeze=False)
+    for ax, r in zip(axes[0], runs):
+        v = np.asarray(r["shift"]["values"])  # T,3,C
+        color, _ = STYLE.get(r["method"], ("black", "-"))
+        for i, p in enumerate(r["shift"]["percentiles"]):
+            ax.plot(r["shift"]["step"], v[:, i, 0], color=color, lw=2 if p == 50 else 1,
+                    ls="-" if p == 50 else "--", label=f"{p}th")
+        travel = movement(r["shift"])
+        ax.set_title(f"{NAMES.get(r['method'], r['method'])}\nmedian moves {travel[50]:.2f} spreads",
+                     fontsize=9)
+        ax.set_xlabel(f"step (batch {r['batch_size']})")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("pre-activation, channel 0 of block 3")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Internal covariate shift: 15th / 50th / 85th percentile of one channel's input to ReLU "
+                 "over training", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_vit(vit, path):
+    """Training loss of the small ViT with each norm, one panel per learning rate; an x marks
+    the last step of a run that diverged."""
+    plt = _plt()
+    p = vit["protocol"]
+    lrs = p["lrs"]
+    fig, axes = plt.subplots(1, len(lrs), figsize=(4 * len(lrs), 3.6), sharey=True, squeeze=False)
+    for ax, lr in zip(axes[0], lrs):
+        for m in p["methods"]:
+            runs = [r for r in vit["runs"] if r["method"] == m and r["lr"] == lr]
+            if not runs:
+                continue
+            r = runs[0]
+            color, ls = STYLE.get(m, ("black", "-"))
+            label = NAMES.get(m, m) + (" (over tokens)" if m == "batch" else "")
+            ax.plot(r["loss_curve"]["step"], r["loss_curve"]["loss"], color=color, ls=ls, label=label)
+            if r["diverged"]:
+                ax.plot([r["steps"]], [r["loss_curve"]["loss"][-1] if r["loss_curve"]["loss"] else 2.3],
+                        marker="x", color=color, ms=10, mew=2)
+        ax.axhline(p["target_loss"], color="black", lw=0.8, ls=":")
+        ax.set_yscale("log")
+        ax.set_title(f"peak learning rate {lr:g}", fontsize=10)
+        ax.set_xlabel(f"step (batch {p['batch_size']})")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("training loss (windowed mean)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Small SigLIP-style ViT on MNIST-1D: the norm in every block and at the end "
+                 "(x = diverged)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_all(results, summary, out_dir) -> dict:
-    """Draw every plot into ``out_dir``; return ``{key: file name}``."""
+    """Draw every plot into ``out_dir``; return ``{key: file name}`` (``shift`` only when
+    some run recorded the covariate shift)."""
     p = results["protocol"]
     plot_batch_size(summary, p, os.path.join(out_dir, PLOTS["batch_size"]))
     plot_loss_curves(results, summary, p, os.path.join(out_dir, PLOTS["loss_curves"]))
     plot_train_eval(summary, p, os.path.join(out_dir, PLOTS["train_eval"]))
     plot_train_loss(summary, p, os.path.join(out_dir, PLOTS["train_loss"]))
-    return dict(PLOTS)
+    plots = dict(PLOTS)
+    shift_runs = [r for r in results["runs"] if "shift" in r]
+    if shift_runs:
+        plot_shift(shift_runs, os.path.join(out_dir, SHIFT_PLOT))
+        plots["shift"] = SHIFT_PLOT
+    return plots

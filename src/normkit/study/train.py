@@ -9,7 +9,8 @@ Protocol (the same for every run)
 
       lr(B) = base_lr * B / 32
 
-  with a linear warm-up over the first epoch and a cosine decay to zero after it, per step;
+  with a linear warm-up over the first quarter of the steps and a cosine decay to zero
+  after it, per step;
 * the training set is reshuffled every epoch from a generator seeded by the run's seed;
   the model's initial weights come from the same seed, so two methods with the same seed
   start from the same convolution and linear weights;
@@ -27,7 +28,13 @@ Measured at the end of the run
 * ``batch_dependence``: the largest change of one image's logits, in training mode, when
   the other ``B - 1`` images of its batch are swapped for different ones. Zero (up to
   rounding) for the per-sample methods, large for BatchNorm;
-* ``loss_curve``: the mean training loss over consecutive windows of steps.
+* ``loss_curve``: the mean training loss over consecutive windows of steps;
+* ``shift`` (only when asked for): the 15th, 50th and 85th percentiles of each channel of
+  the last block's pre-activation on a fixed probe of test inputs, over training (see
+  :mod:`normkit.study.shift`).
+
+Two calls with the same arguments give the same numbers: the weights and the shuffling come
+from the seed, and the study computes with one thread per process (see ``runner``).
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from normkit.study.model import SmallCNN
+from normkit.study.model import build_model
+from normkit.study.shift import ShiftRecorder
 
 __all__ = ["TrainConfig", "train_one", "learning_rate"]
 
@@ -50,10 +58,10 @@ CURVE_POINTS = 60     # windows in a run's training-loss curve (at most)
 class TrainConfig(dict):
     """The protocol's knobs, a plain dict so it goes into results.json as it is."""
 
-    def __init__(self, epochs=4, base_lr=0.05, momentum=0.9, weight_decay=5e-4, warmup_epochs=1.0,
+    def __init__(self, epochs=4, base_lr=0.05, momentum=0.9, weight_decay=5e-4, warmup_fraction=0.25,
                  eval_batch=256):
         super().__init__(epochs=epochs, base_lr=base_lr, momentum=momentum, weight_decay=weight_decay,
-                         warmup_epochs=warmup_epochs, eval_batch=eval_batch,
+                         warmup_fraction=warmup_fraction, eval_batch=eval_batch,
                          reference_batch=REFERENCE_BATCH)
 
 
@@ -104,10 +112,12 @@ def _batch_dependence(model, x, batch) -> float:
     return float((first - other).abs().max())
 
 
-def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig) -> dict:
-    """Train ``SmallCNN(method)`` on ``data`` with ``batch_size`` and ``seed``; return its
-    numbers (see the module docstring)."""
-    start = time.perf_counter()
+def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig,
+              record_shift: bool = False) -> dict:
+    """Train the study's CNN with ``method`` on ``data`` with ``batch_size`` and ``seed``;
+    return its numbers (see the module docstring). ``record_shift`` also follows the last
+    block's pre-activation over training (:class:`~normkit.study.shift.ShiftRecorder`)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     x_train, y_train = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     x_test, y_test = torch.from_numpy(data.x_test), torch.from_numpy(data.y_test)
     n = len(y_train)
@@ -117,14 +127,15 @@ def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig
     steps_per_epoch = n // batch_size
     total = config["epochs"] * steps_per_epoch
     torch.manual_seed(seed)
-    model = SmallCNN(method, n_classes=data.n_classes, total_steps=total)
-    warmup = min(total, max(1, round(config["warmup_epochs"] * steps_per_epoch)))
+    model = build_model(method, data.spatial, data.n_classes, total)
+    warmup = min(total, max(1, round(config["warmup_fraction"] * total)))
     peak_lr = learning_rate(config["base_lr"], batch_size)
     opt = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=config["momentum"],
                           weight_decay=config["weight_decay"])
     gen = torch.Generator().manual_seed(seed)
 
     window = max(1, math.ceil(total / CURVE_POINTS))
+    recorder = ShiftRecorder(model, x_test, total) if record_shift else None
     curve_steps, curve_loss, acc, acc_n = [], [], 0.0, 0
     diverged = False
     step = 0
@@ -143,6 +154,8 @@ def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig
             loss.backward()
             opt.step()
             step += 1
+            if recorder is not None:
+                recorder.after_step(step)
             acc += loss.item()
             acc_n += 1
             if acc_n == window or step == total:
@@ -160,7 +173,7 @@ def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig
         err = _error(model, x_test, y_test, config["eval_batch"])
         err_train_mode = _train_mode_error(model, x_test, y_test, batch_size)
         dependence = _batch_dependence(model, x_test, batch_size)
-    return {
+    out = {
         "method": method,
         "batch_size": batch_size,
         "seed": seed,
@@ -173,4 +186,8 @@ def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig
         "final_train_loss": curve_loss[-1] if curve_loss else float("nan"),
         "loss_curve": {"step": curve_steps, "loss": [round(v, 5) for v in curve_loss]},
         "seconds": time.perf_counter() - start,
+        "cpu_seconds": time.process_time() - cpu_start,
     }
+    if recorder is not None:
+        out["shift"] = recorder.result()
+    return out
