@@ -35,8 +35,8 @@ def register(subparsers) -> None:
     p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2; --quick: 0)")
     p.add_argument("--epochs", type=int, help="epochs for every batch size (default: mnist1d 1, digits 4; "
                                               "--quick: 1)")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate at batch 32, scaled linearly "
-                                                          "with the batch (default 0.05)")
+    p.add_argument("--lr", type=float, help="learning rate at batch 32, scaled linearly with the batch "
+                                            "(default: mnist1d 0.1, digits 0.05)")
     p.add_argument("--jobs", type=int, help="worker processes (default: 2 or the number of CPUs if fewer; "
                                             "--quick: 1)")
     p.add_argument("--out", default="study-out", help="output folder (default study-out/)")

@@ -35,14 +35,15 @@ RESULTS_FILE = "results.json"
 
 # per dataset; n_train / n_test None = the dataset's own split
 DEFAULTS = {
-    "mnist1d": dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=1, n_train=12000,
-                    n_test=5000),
-    "digits": dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=4, n_train=None, n_test=None),
+    "mnist1d": dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=1, n_train=8000,
+                    n_test=5000, base_lr=0.1),
+    "digits": dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=4, n_train=None, n_test=None,
+                   base_lr=0.05),
 }
 # --quick: a few seconds, for tests and a first look; not meant to show anything
 QUICK = {
-    "mnist1d": dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, n_train=200, n_test=100),
-    "digits": dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, n_train=192, n_test=96),
+    "mnist1d": dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, n_train=200, n_test=100, base_lr=0.1),
+    "digits": dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, n_train=192, n_test=96, base_lr=0.05),
 }
 SWEPT = ("batch", "batchrenorm", "group")        # trained at every batch size by default
 SHIFT_METHODS = ("none", "batch", "group", "layer")  # whose covariate shift is recorded
@@ -167,7 +168,7 @@ MODELS = {
 
 
 def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, quick=False, jobs=None,
-              fresh=False, progress=True, base_lr=0.05, dataset="mnist1d", all_batches=False) -> dict:
+              fresh=False, progress=True, base_lr=None, dataset="mnist1d", all_batches=False) -> dict:
     """Train the grid, resuming from ``out_dir/results.json``; return the results dict
     (protocol, runs, elapsed time). The report is made separately (see ``report``)."""
     if dataset not in data_module.DATASETS:
@@ -195,11 +196,11 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
         "dataset": dataset,
         "n_train": base["n_train"], "n_test": base["n_test"],
         "train_images": int(len(data.y_train)), "test_images": int(len(data.y_test)),
-        "train": dict(TrainConfig(epochs=epochs, base_lr=base_lr)),
+        "train": dict(TrainConfig(epochs=epochs, base_lr=float(base_lr or base["base_lr"]))),
         "layer_source": model_module.layer_source(),
         "model": MODELS[dataset] + "; BatchRenorm warm-up 1/8, ramps 1/4 of the steps",
         "methods": list(methods), "batch_sizes": list(batch_sizes), "seeds": list(seeds),
-        "swept": [m for m in methods if len(batches_for(m, batch_sizes, all_batches)) == len(batch_sizes)],
+        "swept": [m for m in methods if all_batches or m in SWEPT],
         "all_batches": bool(all_batches), "quick": bool(quick),
     }
 

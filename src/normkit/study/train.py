@@ -29,6 +29,8 @@ Measured at the end of the run
   the other ``B - 1`` images of its batch are swapped for different ones. Zero (up to
   rounding) for the per-sample methods, large for BatchNorm;
 * ``loss_curve``: the mean training loss over consecutive windows of steps;
+* ``seconds`` and ``cpu_seconds``: the run's wall time and the CPU time of its process (the
+  CPU time does not grow when other programs share the machine);
 * ``shift`` (only when asked for): the 15th, 50th and 85th percentiles of each channel of
   the last block's pre-activation on a fixed probe of test inputs, over training (see
   :mod:`normkit.study.shift`).
