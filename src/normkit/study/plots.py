@@ -39,6 +39,20 @@ def matplotlib_ticker():
     return matplotlib.ticker
 
 
+def _save(plt, fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _label_and_save(plt, fig, axes, ylabel, title, path):
+    """A row of panels: y label and legend on the first, one title over all, then save."""
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    _save(plt, fig, path)
+
+
 def _series(summary, method, batch_sizes, metric):
     bs = [b for b in batch_sizes if str(b) in summary[method]]
     mean = np.array([summary[method][str(b)][metric]["mean"] for b in bs])
@@ -73,9 +87,7 @@ def plot_batch_size(summary, protocol, path):
     ax.set_title(f"Test error vs batch size ({protocol['dataset']}, {protocol['train']['epochs']} epochs, "
                  f"mean ± std of {n} seed{'s' if n > 1 else ''})", fontsize=10)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_loss_curves(results, summary, protocol, path):
@@ -106,9 +118,7 @@ def plot_loss_curves(results, summary, protocol, path):
                  f"≤ {TARGET_LOSS}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_train_eval(summary, protocol, path):
@@ -139,9 +149,7 @@ def plot_train_eval(summary, protocol, path):
     ax2.set_ylabel("train-mode minus eval-mode test error (points)")
     ax2.set_title("Train/eval gap of every method (0 = batch-independent)", fontsize=10)
     ax2.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_train_loss(summary, protocol, path):
@@ -158,9 +166,7 @@ def plot_train_loss(summary, protocol, path):
     ax.set_ylabel("final training loss (last window)")
     ax.set_title("Training loss at the end of the budget vs batch size", fontsize=10)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_shift(runs, path):
@@ -179,13 +185,9 @@ def plot_shift(runs, path):
                      fontsize=9)
         ax.set_xlabel(f"step (batch {r['batch_size']})")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("pre-activation, channel 0 of block 3")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle("Internal covariate shift: 15th / 50th / 85th percentile of one channel's input to ReLU "
-                 "over training", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _label_and_save(plt, fig, axes, "pre-activation, channel 0 of block 3",
+                    "Internal covariate shift: 15th / 50th / 85th percentile of one channel's input to ReLU "
+                    "over training", path)
 
 
 def plot_vit(vit, path):
@@ -212,13 +214,9 @@ def plot_vit(vit, path):
         ax.set_title(f"peak learning rate {lr:g}", fontsize=10)
         ax.set_xlabel(f"step (batch {p['batch_size']})")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("training loss (windowed mean)")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle("Small SigLIP-style ViT on MNIST-1D: the norm in every block and at the end "
-                 "(x = diverged)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _label_and_save(plt, fig, axes, "training loss (windowed mean)",
+                    "Small SigLIP-style ViT on MNIST-1D: the norm in every block and at the end (x = diverged)",
+                    path)
 
 
 def plot_all(results, summary, out_dir) -> dict:

@@ -26,7 +26,6 @@ batch dependence of a sample's logits (as in :mod:`normkit.study.train`).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -37,7 +36,7 @@ from torch import nn
 import normkit.nn as nk
 from normkit.study import data as data_module
 from normkit.study.runner import _DATA, _one_thread, _save, execute
-from normkit.study.train import CURVE_POINTS, _batch_dependence, _error, _schedule, _train_mode_error
+from normkit.study.train import evaluate, fit
 
 __all__ = ["NORMS", "TARGET_LOSS", "VIT_DEFAULTS", "VIT_QUICK", "VIT_FILE", "TinyViT", "make_token_norm",
            "train_vit", "run_vit"]
@@ -126,43 +125,25 @@ def train_vit(data, method: str, lr: float, seed: int, steps: int, batch_size: i
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
     gen = torch.Generator().manual_seed(seed)
     warmup = max(1, round(WARMUP_FRACTION * steps))
-    window = max(1, math.ceil(steps / CURVE_POINTS))
-    curve_steps, curve_loss, acc, acc_n = [], [], 0.0, 0
-    order, pos, diverged, step = torch.randperm(len(y_train), generator=gen), 0, False, 0
-    model.train()
-    while step < steps:
-        if pos + batch_size > len(order):
-            order, pos = torch.randperm(len(y_train), generator=gen), 0
-        idx = order[pos:pos + batch_size]
-        pos += batch_size
-        for group in opt.param_groups:
-            group["lr"] = lr * _schedule(step, steps, warmup)
-        loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
-        if not torch.isfinite(loss):
-            diverged = True
-            break
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        step += 1
-        acc, acc_n = acc + loss.item(), acc_n + 1
-        if acc_n == window or step == steps:
-            curve_steps.append(step)
-            curve_loss.append(round(acc / acc_n, 5))
-            acc, acc_n = 0.0, 0
-    model.eval()
-    if diverged:
-        err = err_train = 1.0 - 1.0 / data.n_classes
-        dependence = float("nan")
-    else:
-        err = _error(model, x_test, y_test, 256)
-        err_train = _train_mode_error(model, x_test, y_test, batch_size)
-        dependence = _batch_dependence(model, x_test, batch_size)
+    step, diverged, curve_steps, curve_loss = fit(
+        model, opt, _stream(len(y_train), batch_size, steps, gen), x_train, y_train, steps, lr, warmup)
+    curve_loss = [round(v, 5) for v in curve_loss]
     return {"method": method, "lr": lr, "seed": seed, "batch_size": batch_size, "steps": step,
-            "diverged": diverged, "test_error": err, "test_error_train_mode": err_train,
-            "batch_dependence": dependence, "final_train_loss": curve_loss[-1] if curve_loss else float("nan"),
+            "diverged": diverged, **evaluate(model, x_test, y_test, batch_size, 256, diverged, data.n_classes),
+            "final_train_loss": curve_loss[-1] if curve_loss else float("nan"),
             "loss_curve": {"step": curve_steps, "loss": curve_loss}, "seconds": time.perf_counter() - start,
             "cpu_seconds": time.process_time() - cpu_start}
+
+
+def _stream(n, batch_size, steps, gen):
+    """``steps`` index batches of ``batch_size`` from ``n`` samples, reshuffled whenever the
+    rest of a pass is too short for a batch."""
+    order, pos = torch.randperm(n, generator=gen), 0
+    for _ in range(steps):
+        if pos + batch_size > n:
+            order, pos = torch.randperm(n, generator=gen), 0
+        yield order[pos:pos + batch_size]
+        pos += batch_size
 
 
 def _run(task):
