@@ -306,3 +306,18 @@ def test_markdown_and_html_say_the_same():
     html = report.render_html(blocks, ".")
     assert "| BN | 1.00 ± 0.10 |" in md and "<td>1.00 ± 0.10</td>" in html
     assert "a &lt; b" in html and "- y" in md
+
+
+def test_claims_verdicts_follow_the_numbers():
+    from normkit.study import claims
+
+    def verdicts(r):
+        return {row[0]: row[3] for row in claims.claims(r, analysis.summarize(r), None)}
+
+    small = "BatchNorm fails at small batch; GroupNorm does not"
+    free = "LayerNorm, GroupNorm, InstanceNorm do not depend on the batch"
+    assert verdicts(_fake_results(bn_small=0.10, gn_small=0.03))[small] == "yes"
+    v = verdicts(_fake_results(bn_small=0.02, gn_small=0.08))
+    assert v[small] == "no" and v[free] == "yes"
+    rows = claims.claims(None, None, None)
+    assert rows == []

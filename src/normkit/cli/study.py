@@ -27,7 +27,7 @@ def register(subparsers) -> None:
                         "LayerNorm, RMSNorm, none and BatchNorm over tokens at three learning rates; a few minutes)")
     p.add_argument("--quick", action="store_true", help="a few seconds on a small subset (checks the pipeline)")
     p.add_argument("--methods", help="comma-separated, from: none, batch, batchrenorm, group, layer, instance, "
-                                     "rms (default: all available)")
+                                     "rms (default: all; --model vit: layer, rms, none, batch)")
     p.add_argument("--batch-sizes", help="comma-separated (default 2,4,8,16,32,64; --quick: 4,16)")
     p.add_argument("--all-batches", action="store_true",
                    help="train every method at every batch size (default: only BatchNorm, BatchRenorm and "
