@@ -334,10 +334,19 @@ def vit_findings(vit: dict) -> list:
         out.append(f"Peak learning rate {lr:g}: " + "; ".join(parts) + ".")
     ok = {m: [r["lr"] for r in vit["runs"] if r["method"] == m and not r["diverged"]
               and math.isfinite(steps_to_target(r, target))] for m in p["methods"]}
+    diverged = [f"{name(r['method'])} at {r['lr']:g}" for r in vit["runs"] if r["diverged"]]
+    n_runs = len(vit["runs"])
     out.append(f"Reach loss {target} within {p['steps']} steps: "
-               + "; ".join(f"{name(m)} at {len(v)} of {len(p['lrs'])} rates" for m, v in ok.items()) + ".")
+               + "; ".join(f"{name(m)} at {len(v)} of {len(p['lrs'])} rates" for m, v in ok.items())
+               + ". Diverged: " + (", ".join(diverged) if diverged else f"none of the {n_runs} runs") + ".")
     dep = {m: max((r["batch_dependence"] for r in vit["runs"] if r["method"] == m and not r["diverged"]),
                   default=float("nan")) for m in p["methods"]}
+    bn = [r for r in vit["runs"] if r["method"] == "batch" and not r["diverged"]]
+    if bn:
+        gaps = ", ".join(f"{100 * (r['test_error_train_mode'] - r['test_error']):+.2f}" for r in bn)
+        rates = ", ".join(f"{r['lr']:g}" for r in bn)
+        out.append(f"BatchNorm over tokens in training mode (each test batch's own statistics) minus eval mode "
+                   f"(running averages): {gaps} points of test error at learning rate {rates}.")
     out.append("Batch dependence (largest change of a sample's logits when its batch-mates change): "
                + "; ".join(f"{name(m)} {v:.1e}" for m, v in dep.items())
                + ". Only BatchNorm over tokens makes a sample's output depend on the rest of its batch; LayerNorm "

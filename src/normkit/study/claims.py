@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from normkit.study.analysis import PAPER, TARGET_LOSS, crossover, pct, reference_batch, steps_to_target
+from normkit.study.analysis import NAMES, PAPER, TARGET_LOSS, crossover, pct, reference_batch, steps_to_target
 from normkit.study.shift import movement
 
 __all__ = ["HEADER", "claims"]
@@ -102,21 +102,37 @@ def _shift(results):
 def _vit(vit):
     p = vit["protocol"]
     target = p["target_loss"]
-
-    def reached(m):
-        return [r["lr"] for r in vit["runs"] if r["method"] == m and not r["diverged"]
-                and math.isfinite(steps_to_target(r, target))]
-
     if "layer" not in p["methods"]:
         return None
-    others = {m: reached(m) for m in p["methods"] if m != "layer"}
-    ln = reached("layer")
-    here = (f"LayerNorm reaches loss {target} at {len(ln)} of {len(p['lrs'])} learning rates; "
-            + ", ".join(f"{m} at {len(v)}" for m, v in others.items()))
-    ok = len(ln) == len(p["lrs"]) and all(len(v) <= len(ln) for v in others.values())
+
+    def runs(m):
+        return [r for r in vit["runs"] if r["method"] == m and not r["diverged"]]
+
+    def reached(m):
+        return sum(math.isfinite(steps_to_target(r, target)) for r in runs(m))
+
+    def best(m):
+        return min((r["test_error"] for r in runs(m)), default=float("nan"))
+
+    def dependence(m):
+        return max((r["batch_dependence"] for r in runs(m)), default=float("nan"))
+
+    others = [m for m in p["methods"] if m != "layer"]
+    here = (f"LayerNorm reaches loss {target} at {reached('layer')} of {len(p['lrs'])} learning rates, best test "
+            f"error {pct(best('layer'))} %; "
+            + "; ".join(f"{NAMES.get(m, m)}{' over tokens' if m == 'batch' else ''} at {reached(m)}, best "
+                        f"{pct(best(m))} %" for m in others)
+            + f". Batch dependence: LayerNorm {dependence('layer'):.1e}"
+            + (f", BatchNorm over tokens {dependence('batch'):.1e}" if "batch" in others else ""))
+    trains = reached("layer") == len(p["lrs"])
+    alone = dependence("layer") < 1e-4 and ("batch" not in others or dependence("batch") > 1e-3)
+    ahead = all(best("layer") <= best(m) for m in others if runs(m))
+    verdict = ("yes" if trains and alone and ahead else
+               "partly: LayerNorm trains at every rate and keeps tokens batch-independent, but is not the best "
+               "here" if trains and alone else "no")
     return ["Transformers (SigLIP) normalize each token with LayerNorm, not BatchNorm",
             "SigLIP's vision tower: LayerNorm in every block and post_layernorm (design, no number)", here,
-            _verdict(ok)]
+            verdict]
 
 
 def claims(results: dict | None, summary: dict | None, vit: dict | None) -> list:
