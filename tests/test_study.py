@@ -192,6 +192,18 @@ def test_shift_movement_is_in_units_of_the_spread():
     assert shift.movement(moving)[50] == pytest.approx(2.0)  # moved 4 with a spread of 2
 
 
+def test_shift_sentence_compares_with_no_normalization():
+    still = [[[-1.0], [0.0], [1.0]]] * 3
+    moving = [[[-1.0 + 4 * t], [4.0 * t], [1.0 + 4 * t]] for t in (0, 0.5, 1)]
+    runs = [{"method": m, "steps": 2, "batch_size": 32, "seed": 0,
+             "shift": {"step": [0, 1, 2], "percentiles": [15, 50, 85], "values": v}}
+            for m, v in (("none", moving), ("batch", still), ("group", moving))]
+    text = analysis.shift_sentence({"runs": runs})
+    assert "no normalization 2.00" in text and "BatchNorm 0.00" in text
+    assert "1 of 2 normalizations keep it clearly steadier than none" in text and ": BatchNorm;" in text
+    assert analysis.shift_sentence({"runs": runs[:0]}) is None
+
+
 def test_vit_quick(tmp_path):
     from normkit.cli import main
 

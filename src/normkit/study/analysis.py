@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-__all__ = ["NAMES", "PAPER", "TARGET_LOSS", "summarize", "steps_to_target", "reference_batch",
+__all__ = ["NAMES", "PAPER", "TARGET_LOSS", "target_loss", "summarize", "steps_to_target", "reference_batch",
            "crossover", "findings", "shift_sentence", "vit_findings", "pct"]
 
 NAMES = {"none": "no normalization", "batch": "BatchNorm", "batchrenorm": "BatchRenorm",
@@ -23,7 +23,10 @@ NAMES = {"none": "no normalization", "batch": "BatchNorm", "batchrenorm": "Batch
 PAPER = {"batch": {32: 23.6, 16: 23.7, 8: 24.8, 4: 27.3, 2: 34.7},
          "group": {32: 24.1, 16: 24.2, 8: 24.0, 4: 24.2, 2: 24.1}}
 
-TARGET_LOSS = 0.2  # training loss (cross-entropy) that "steps to reach" is measured against
+TARGET_LOSS = 0.2  # training loss (cross-entropy) that "steps to reach" is measured against, by default
+# per dataset: the one-epoch MNIST-1D budget ends near 0.5-1 even with normalization
+TARGET_LOSSES = {"digits": 0.2, "mnist1d": 1.2}
+STEADIER = 0.8    # a norm keeps a layer's input "clearly steadier" below this fraction of none's travel
 PER_SAMPLE = ("group", "layer", "instance", "rms")
 METRICS = ("test_error", "test_error_train_mode", "final_train_loss", "batch_dependence", "steps_to_target")
 
@@ -31,6 +34,11 @@ METRICS = ("test_error", "test_error_train_mode", "final_train_loss", "batch_dep
 def pct(v: float) -> str:
     """A fraction as a percentage with two decimals."""
     return f"{100 * v:.2f}"
+
+
+def target_loss(protocol: dict) -> float:
+    """The training loss that "steps to reach" is measured against for this protocol's data."""
+    return TARGET_LOSSES.get(protocol.get("dataset"), TARGET_LOSS)
 
 
 def steps_to_target(run: dict, target: float = TARGET_LOSS) -> float:
@@ -64,7 +72,7 @@ def summarize(results: dict) -> dict:
             if not runs:
                 continue
             cell = {k: _stat([r[k] for r in runs]) for k in METRICS if k != "steps_to_target"}
-            cell["steps_to_target"] = _stat([steps_to_target(r) for r in runs])
+            cell["steps_to_target"] = _stat([steps_to_target(r, target_loss(p)) for r in runs])
             cell["diverged"] = int(sum(r["diverged"] for r in runs))
             cell["steps"] = int(runs[0]["steps"])
             cell["lr"] = float(runs[0]["lr"])
@@ -220,7 +228,7 @@ def findings(results: dict, summary: dict) -> list:
         none_txt = (f"without normalization it takes {n_none:.0f} steps" if k_none else
                     f"without normalization it never gets there in the {total} steps")
         faster = [m for m, v, k in normed if k and (not k_none or v < n_none)]
-        out.append(f"Steps to reach training loss {TARGET_LOSS} at batch {ref} (of {total}): {none_txt}; "
+        out.append(f"Steps to reach training loss {target_loss(p)} at batch {ref} (of {total}): {none_txt}; "
                    + ("; ".join(reached) if reached else "no normalized network reaches it either")
                    + (f"; never reached: {', '.join(never)}" if never else "") + ". "
                    + (f"{len(faster)} of {len(normed)} normalizations train faster than none, as the articles say."
@@ -305,11 +313,12 @@ def shift_sentence(results: dict) -> str | None:
             + "; ".join(parts) + " times the channel's 15-85 spread (median over channels).")
     if "none" in travel and len(travel) > 1:
         normed = {m: t[50] for m, t in travel.items() if m != "none"}
-        calmer = [m for m, v in normed.items() if v < travel["none"][50]]
-        text += (f" {len(calmer)} of {len(normed)} normalizations keep it steadier than none"
-                 + (f" ({', '.join(NAMES.get(m, m) for m in calmer)})" if calmer else "")
+        calmer = [m for m, v in normed.items() if v < STEADIER * travel["none"][50]]
+        text += (f" {len(calmer)} of {len(normed)} normalizations keep it clearly steadier than none (below "
+                 f"{STEADIER:g} of its travel)"
+                 + (f": {', '.join(NAMES.get(m, m) for m in calmer)}" if calmer else "")
                  + (", as the BatchNorm paper's Figure 1 shows." if len(calmer) == len(normed) else
-                    "; the BatchNorm paper's Figure 1 shows every normalized network steadier."))
+                    "; the BatchNorm paper's Figure 1 shows BatchNorm steadier, and says nothing of the others."))
     return text
 
 

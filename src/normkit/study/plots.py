@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from normkit.study.analysis import NAMES, TARGET_LOSS, reference_batch
+from normkit.study.analysis import NAMES, reference_batch, target_loss
 from normkit.study.shift import movement
 
 __all__ = ["plot_all", "plot_vit", "PLOTS", "SHIFT_PLOT", "VIT_PLOT"]
@@ -92,7 +92,8 @@ def plot_batch_size(summary, protocol, path):
 
 def plot_loss_curves(results, summary, protocol, path):
     """Training loss against steps at the reference batch, mean over seeds, with the step at
-    which each method first reaches TARGET_LOSS marked."""
+    which each method first reaches the target loss marked."""
+    target = target_loss(protocol)
     plt = _plt()
     ref = reference_batch(protocol["batch_sizes"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -108,14 +109,14 @@ def plot_loss_curves(results, summary, protocol, path):
         ax.plot(steps[:length], loss, color=color, ls=ls, label=NAMES.get(m, m))
         s = summary[m][str(ref)]["steps_to_target"]["mean"]
         if np.isfinite(s):
-            ax.plot([s], [TARGET_LOSS], marker="v", color=color, ms=7)
-    ax.axhline(TARGET_LOSS, color="black", lw=0.8, ls=":")
-    ax.text(ax.get_xlim()[1], TARGET_LOSS, f" target {TARGET_LOSS}", va="bottom", ha="right", fontsize=8)
+            ax.plot([s], [target], marker="v", color=color, ms=7)
+    ax.axhline(target, color="black", lw=0.8, ls=":")
+    ax.text(ax.get_xlim()[1], target, f" target {target}", va="bottom", ha="right", fontsize=8)
     ax.set_yscale("log")
     ax.set_xlabel(f"step (batch {ref})")
     ax.set_ylabel("training loss (cross-entropy, windowed mean)")
     ax.set_title(f"Training loss with and without normalization, batch {ref}; ▼ = first step at loss "
-                 f"≤ {TARGET_LOSS}", fontsize=10)
+                 f"≤ {target}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     _save(plt, fig, path)

@@ -14,7 +14,7 @@ import json
 import os
 
 from normkit.study import analysis
-from normkit.study.analysis import NAMES, PAPER, TARGET_LOSS, pct, reference_batch
+from normkit.study.analysis import NAMES, PAPER, pct, reference_batch, target_loss
 from normkit.study.claims import HEADER, claims
 
 __all__ = ["build", "render_markdown", "render_html", "write_report", "error_table"]
@@ -68,7 +68,7 @@ def _grid_blocks(results, summary, found, plots) -> list:
          [[NAMES[m]] + [f"{PAPER[m][b]}" for b in sorted(PAPER[m], reverse=True)] for m in ("batch", "group")]),
         ("h2", "Training with and without normalization"),
         ("img", plots["loss_curves"], f"Training loss at batch {ref}, mean over seeds; the triangles mark the "
-                                      f"first step at which the loss is at most {TARGET_LOSS}."),
+                                      f"first step at which the loss is at most {target_loss(p)}."),
         ("img", plots["train_loss"], "Final training loss against batch size."),
     ]
     if "shift" in plots:
@@ -141,7 +141,7 @@ def _protocol_blocks(results, summary) -> list:
             f"Seeds: {', '.join(map(str, p['seeds']))}; a seed fixes the initial weights and the shuffling. "
             f"Standard deviations are over seeds (ddof = 1).",
             "Measured: test error in eval mode and in training mode, final training loss, steps to reach "
-            f"training loss {TARGET_LOSS}, and how much one sample's logits move when its batch-mates change.",
+            f"training loss {target_loss(p)}, and how much one sample's logits move when its batch-mates change.",
             f"Wall time of all runs: {results['elapsed_seconds']:.0f} s ({cpu:.0f} CPU seconds). Every number "
             f"is in results.json.",
         ]),
