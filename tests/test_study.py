@@ -1,4 +1,5 @@
-"""normkit study: the --quick run end to end, resuming, and the findings' logic."""
+"""normkit study: the --quick run end to end (twice: same numbers), resuming, the MNIST-1D
+loader, the covariate-shift recording, the transformer, and the findings' logic."""
 
 import json
 import re
@@ -9,11 +10,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 pytest.importorskip("sklearn")
+pytest.importorskip("mnist1d")
 
-from normkit.study import analysis, model, report, train  # noqa: E402
+import normkit.nn as nk  # noqa: E402
+from normkit.study import analysis, data, model, report, runner, shift, train  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-PLOTS = ("study-batch-size.png", "study-loss-curves.png", "study-bn-train-eval.png", "study-train-loss.png")
+PLOTS = ("study-batch-size.png", "study-loss-curves.png", "study-bn-train-eval.png", "study-train-loss.png",
+         "study-covariate-shift.png")
+TIMING = ("seconds", "cpu_seconds")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +46,11 @@ def test_results_cover_the_grid(quick):
     r = json.loads((quick / "results.json").read_text())
     p = r["protocol"]
     assert p["quick"] and p["methods"] == list(model.available_methods())
+    assert p["dataset"] == "mnist1d" and p["layer_source"] == "normkit.nn"
     keys = {(x["method"], x["batch_size"], x["seed"]) for x in r["runs"]}
+    # the batch size is swept for the batch-dependent methods and GroupNorm; the rest run at
+    # the smallest, the reference and the largest batch (here 4 and 16)
+    assert set(p["swept"]) == set(runner.SWEPT)
     assert keys == {(m, b, s) for m in p["methods"] for b in p["batch_sizes"] for s in p["seeds"]}
     for x in r["runs"]:
         assert 0.0 <= x["test_error"] <= 1.0
@@ -87,10 +96,147 @@ def test_resume_reuses_finished_runs(tmp_path):
         run_study(tmp_path, methods=["none"], batch_sizes=[16], seeds=[0], epochs=2, quick=True, progress=False)
 
 
-def test_same_seed_same_numbers():
-    from normkit.study import data
+def test_same_command_twice_same_results(quick, tmp_path):
+    from normkit.cli import main
 
-    d = data.load(96, 32)
+    assert main(["study", "--quick", "--out", str(tmp_path), "--no-progress"]) == 0
+    first = json.loads((quick / "results.json").read_text())
+    again = json.loads((tmp_path / "results.json").read_text())
+    strip = lambda runs: [{k: v for k, v in r.items() if k not in TIMING} for r in runs]  # noqa: E731
+    assert strip(again["runs"]) == strip(first["runs"])
+    assert again["summary"] == first["summary"] and again["findings"] == first["findings"]
+
+
+def test_plan_sweeps_only_the_batch_dependent_methods():
+    bs = (2, 4, 8, 16, 32, 64)
+    tasks = runner.plan(["none", "batch", "group", "layer"], bs, [0])
+    assert [b for m, b, s in tasks if m == "batch"] == list(bs)
+    assert [b for m, b, s in tasks if m == "group"] == list(bs)
+    assert [b for m, b, s in tasks if m == "layer"] == [2, 32, 64]
+    assert len(runner.plan(["none", "layer"], bs, [0, 1], all_batches=True)) == 2 * 2 * len(bs)
+
+
+def test_mnist1d_is_generated_offline_and_deterministic(tmp_path, monkeypatch):
+    import random
+
+    import requests
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the study must not download anything")
+
+    monkeypatch.setattr(requests, "get", no_network)
+    monkeypatch.chdir(tmp_path)
+    np.random.seed(123)
+    random.seed(123)
+    before = (np.random.random(), random.random())
+    np.random.seed(123)
+    random.seed(123)
+    a = data.load("mnist1d", 300, 100)
+    assert (np.random.random(), random.random()) == before  # global generators untouched
+    b = data.load_mnist1d(300, 100)
+    assert list(tmp_path.iterdir()) == []                    # no cache file written
+    assert a.x_train.shape == (300, 1, 40) and a.x_test.shape == (100, 1, 40)
+    assert a.x_train.dtype == np.float32 and a.y_train.dtype == np.int64
+    assert a.spatial == (40,) and a.n_classes == 10 and set(a.y_test) <= set(range(10))
+    assert abs(a.x_train.mean()) < 1e-5 and abs(a.x_train.std() - 1) < 1e-4
+    np.testing.assert_array_equal(a.x_train, b.x_train)
+    np.testing.assert_array_equal(a.y_test, b.y_test)
+    # a larger dataset is a different draw, not the same signals repeated
+    assert not np.array_equal(data.load_mnist1d(400, 100).x_train[:300], a.x_train)
+    with pytest.raises(ValueError, match="at least 10"):
+        data.load_mnist1d(5, 100)
+    with pytest.raises(ValueError, match="choose from"):
+        data.load("cifar")
+
+
+def test_digits_still_available(tmp_path):
+    r = runner.run_study(tmp_path, methods=["batch"], batch_sizes=[8], quick=True, progress=False,
+                         dataset="digits")
+    assert r["protocol"]["dataset"] == "digits" and r["runs"][0]["steps"] == 192 // 8
+    assert "shift" not in r["runs"][0]
+
+
+def test_layers_are_normkit_layers():
+    # the study runs normkit's own layers, never a silent torch.nn substitute
+    assert model.layer_source() == "normkit.nn"
+    assert isinstance(model.make_norm("batch", 8, (10,)), nk.BatchNorm1d)
+    assert isinstance(model.make_norm("batch", 8, (2, 2)), nk.BatchNorm2d)
+    assert isinstance(model.make_norm("batchrenorm", 8, (10,)), nk.BatchRenorm1d)
+    assert isinstance(model.make_norm("instance", 8, (10,)), nk.InstanceNorm1d)
+    assert isinstance(model.make_norm("group", 8, (10,)), nk.GroupNorm)
+    with pytest.raises(ValueError, match="spatial"):
+        model.make_norm("batch", 8, (2, 2, 2))
+
+
+def test_shift_recording_changes_nothing_and_orders_percentiles():
+    d = data.load("mnist1d", 160, 300)
+    cfg = train.TrainConfig(epochs=1)
+    plain = train.train_one(d, "batch", 8, 0, cfg)
+    rec = train.train_one(d, "batch", 8, 0, cfg, record_shift=True)
+    assert rec["loss_curve"] == plain["loss_curve"] and rec["test_error"] == plain["test_error"]
+    s = rec["shift"]
+    assert s["percentiles"] == [15, 50, 85] and s["step"][0] == 0 and s["step"][-1] == plain["steps"]
+    v = np.asarray(s["values"])
+    assert v.shape == (len(s["step"]), 3, model.Conv1dNet.WIDTH)
+    assert np.all(v[:, 0] <= v[:, 1]) and np.all(v[:, 1] <= v[:, 2])
+    # BatchNorm in training mode: every channel's probe median sits near beta = 0 at step 0
+    assert np.all(np.abs(v[0, 1]) < 1.0)
+
+
+def test_shift_movement_is_in_units_of_the_spread():
+    steps = [0, 1, 2]
+    still = {"step": steps, "percentiles": [15, 50, 85], "values": [[[-1.0], [0.0], [1.0]]] * 3}
+    assert shift.movement(still) == {15: 0.0, 50: 0.0, 85: 0.0}
+    moving = {"step": steps, "percentiles": [15, 50, 85],
+              "values": [[[-1.0 + 4 * t], [4.0 * t], [1.0 + 4 * t]] for t in (0, 0.5, 1)]}
+    assert shift.movement(moving)[50] == pytest.approx(2.0)  # moved 4 with a spread of 2
+
+
+def test_shift_sentence_compares_with_no_normalization():
+    still = [[[-1.0], [0.0], [1.0]]] * 3
+    moving = [[[-1.0 + 4 * t], [4.0 * t], [1.0 + 4 * t]] for t in (0, 0.5, 1)]
+    runs = [{"method": m, "steps": 2, "batch_size": 32, "seed": 0,
+             "shift": {"step": [0, 1, 2], "percentiles": [15, 50, 85], "values": v}}
+            for m, v in (("none", moving), ("batch", still), ("group", moving))]
+    text = analysis.shift_sentence({"runs": runs})
+    assert "no normalization 2.00" in text and "BatchNorm 0.00" in text
+    assert "1 of 2 normalizations keep it clearly steadier than none" in text and ": BatchNorm;" in text
+    assert analysis.shift_sentence({"runs": runs[:0]}) is None
+
+
+def test_vit_quick(tmp_path):
+    from normkit.cli import main
+
+    assert main(["study", "--model", "vit", "--quick", "--out", str(tmp_path), "--no-progress"]) == 0
+    vit = json.loads((tmp_path / "vit-results.json").read_text())
+    p = vit["protocol"]
+    assert {(r["method"], r["lr"]) for r in vit["runs"]} == {(m, lr) for m in p["methods"] for lr in p["lrs"]}
+    for r in vit["runs"]:
+        if r["diverged"]:
+            continue
+        if r["method"] == "batch":
+            assert r["batch_dependence"] > 1e-3
+        else:
+            assert r["batch_dependence"] < 1e-4 and r["test_error_train_mode"] == r["test_error"]
+    assert (tmp_path / "study-vit.png").read_bytes()[:8] == PNG_MAGIC
+    md = (tmp_path / "report.md").read_text()
+    assert "LayerNorm in a vision transformer" in md
+    for line in analysis.vit_findings(vit):
+        assert f"- {line}" in md
+
+
+def test_token_batchnorm_normalizes_over_batch_and_tokens():
+    from normkit.study.vit import make_token_norm
+
+    x = torch.randn(4, 10, 32) * 3 + 1
+    y = make_token_norm("batch", 32).train()(x).detach()
+    assert torch.allclose(y.mean(dim=(0, 1)), torch.zeros(32), atol=1e-5)
+    y = make_token_norm("layer", 32)(x).detach()
+    assert torch.allclose(y.mean(dim=2), torch.zeros(4, 10), atol=1e-5)
+
+
+def test_same_seed_same_numbers():
+    d = data.load("mnist1d", 96, 32)
     cfg = train.TrainConfig(epochs=1)
     a = train.train_one(d, "group", 4, 3, cfg)
     b = train.train_one(d, "group", 4, 3, cfg)
@@ -106,18 +252,19 @@ def test_bad_arguments_say_what_to_do(tmp_path, capsys):
     assert "at least 2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("spatial", [(4, 4), (10,)])
 @pytest.mark.parametrize("method", model.available_methods())
-def test_make_norm_statistics(method):
+def test_make_norm_statistics(method, spatial):
     # right after construction (weight 1, bias 0), each layer normalizes the groups it claims to
     torch.manual_seed(0)
-    x = torch.randn(4, 16, 4, 4) * 3 + 1
-    layer = model.make_norm(method, 16, (4, 4)).train()
+    x = torch.randn(4, 16, *spatial) * 3 + 1
+    layer = model.make_norm(method, 16, spatial).train()
     y = layer(x).detach()
     if method == "none":
         assert torch.equal(y, x)
         return
-    dims = {"batch": (0, 2, 3), "batchrenorm": (0, 2, 3), "layer": (1, 2, 3), "instance": (2, 3),
-            "rms": (1, 2, 3)}
+    s = tuple(range(2, 2 + len(spatial)))  # the spatial dims
+    dims = {"batch": (0, *s), "batchrenorm": (0, *s), "layer": (1, *s), "instance": s, "rms": (1, *s)}
     if method == "group":
         y = y.reshape(4, model.GROUPS, -1)
         dims[method] = (2,)
@@ -152,13 +299,15 @@ def _fake_results(bn_small, gn_small):
 def test_findings_follow_the_numbers():
     r = _fake_results(bn_small=0.10, gn_small=0.03)
     found = analysis.findings(r, analysis.summarize(r))
-    assert found[0].startswith("BatchNorm's test error rises as the batch shrinks, as the paper says")
-    assert "+8.00 points" in found[0]
+    assert found[0].startswith("The GroupNorm paper's crossover reproduces")
+    assert found[1].startswith("BatchNorm's test error rises as the batch shrinks, as the paper says")
+    assert "+8.00 points" in found[1]
     assert any("GroupNorm is better, as in the paper" in f for f in found)
 
     r = _fake_results(bn_small=0.02, gn_small=0.08)
     found = analysis.findings(r, analysis.summarize(r))
-    assert "does NOT clearly rise" in found[0]
+    assert found[0].startswith("The GroupNorm paper's crossover does NOT fully reproduce")
+    assert "does NOT clearly rise" in found[1]
     assert any("BatchNorm is better here, unlike the paper" in f for f in found)
     assert any("NOT steadier" in f for f in found)
 
@@ -169,3 +318,18 @@ def test_markdown_and_html_say_the_same():
     html = report.render_html(blocks, ".")
     assert "| BN | 1.00 ± 0.10 |" in md and "<td>1.00 ± 0.10</td>" in html
     assert "a &lt; b" in html and "- y" in md
+
+
+def test_claims_verdicts_follow_the_numbers():
+    from normkit.study import claims
+
+    def verdicts(r):
+        return {row[0]: row[3] for row in claims.claims(r, analysis.summarize(r), None)}
+
+    small = "BatchNorm fails at small batch; GroupNorm does not"
+    free = "LayerNorm, GroupNorm, InstanceNorm do not depend on the batch"
+    assert verdicts(_fake_results(bn_small=0.10, gn_small=0.03))[small] == "yes"
+    v = verdicts(_fake_results(bn_small=0.02, gn_small=0.08))
+    assert v[small] == "no" and v[free] == "yes"
+    rows = claims.claims(None, None, None)
+    assert rows == []

@@ -1,11 +1,15 @@
 """The experiment behind ``normkit study``: one small CNN trained with each normalization
-over a grid of batch sizes and seeds on scikit-learn's bundled digits, then a report.
+over a grid of batch sizes and seeds on MNIST-1D (or scikit-learn's digits), the shift of a
+hidden layer's input over training, and a small vision transformer with each token norm;
+then a report.
 
-Modules, in the order data flows: ``data`` (the images), ``model`` (the CNN and
-``make_norm``, the one place that picks a layer per method), ``train`` (one run),
-``runner`` (the grid, resumable), ``analysis`` (means, standard deviations, findings),
-``plots`` and ``report`` (report.md, report.html). Needs torch, matplotlib, scikit-learn
-and tqdm (``pip install normkit[torch,study]``).
+Modules, in the order data flows: ``data`` (MNIST-1D, generated; digits, bundled),
+``model`` (the CNNs and ``make_norm``, the one place that picks a layer per method),
+``shift`` (the covariate-shift recording), ``train`` (one run), ``runner`` (the grid,
+resumable), ``vit`` (the transformer runs), ``analysis`` (means, standard deviations,
+findings), ``claims`` (the articles' claims against the numbers), ``plots`` and ``report``
+(report.md, report.html). Needs torch, matplotlib, scikit-learn, mnist1d and tqdm
+(``pip install normkit[torch,study]``).
 """
 
 from __future__ import annotations

@@ -1,62 +1,114 @@
-"""The study's data: scikit-learn's bundled handwritten digits, split once, kept in memory.
+"""The study's data, generated or bundled (nothing is downloaded), split once, kept in memory.
 
-Why digits: it ships inside scikit-learn (no download), it is small enough that a grid of
-a few hundred training runs fits in minutes on two cores, and it is an image task, so a
-convolutional network with BatchNorm sees the same (N, C, H, W) statistics as in the
-GroupNorm paper. It is an *easy* task (a small CNN reaches about 98 % test accuracy), so
-differences between methods are a few percentage points, not tens; the small-batch
-failure of BatchNorm is still plain to see because the network's last convolution works on
-2 x 2 maps, where a batch of two images gives only eight numbers per channel statistic.
+Two datasets:
+
+* ``mnist1d`` (the default): MNIST-1D (Greydanus 2020), ten 1-D digit templates of length
+  12, padded, scaled, sheared, shifted and noised into signals of length 40. The
+  ``mnist1d`` package *generates* it from a seed (``make_dataset``; its ``get_dataset``
+  would download a pickle, and is never called here). It is harder than digits, so a
+  small CNN's test error still has room to move, and it can be made as large as needed,
+  so that small batches get many steps. The layers see ``(N, C, L)`` activations: the
+  1d variants of BatchNorm and InstanceNorm, GroupNorm over ``(N, C, L)``.
+* ``digits``: scikit-learn's bundled 8 x 8 handwritten digits (1797 images), an image task
+  with ``(N, C, H, W)`` activations; easy (a small CNN reaches about 98 % test accuracy).
+
+Both are standardized with one mean and one standard deviation of the training inputs, so
+the network without normalization starts from zero-mean, unit-variance inputs too.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Dataset", "load"]
+__all__ = ["DATASETS", "Dataset", "load", "load_digits", "load_mnist1d"]
+
+DATASETS = ("mnist1d", "digits")
 
 # the split is part of the protocol, not of a run: every seed sees the same test set
 SPLIT_SEED = 0
-N_TEST = 597  # 1797 images -> 1200 for training, 597 for testing
+N_TEST_DIGITS = 597  # 1797 images -> 1200 for training, 597 for testing
+MNIST1D_SEED = 42    # the seed of mnist1d's reference dataset
+MNIST1D_TEST = 5000  # test signals, whatever the number of training signals
 
 
 @dataclass(frozen=True)
 class Dataset:
-    """Images as float32 arrays ``(n, 1, 8, 8)`` standardized with the training set's one
-    mean and standard deviation, labels as int64 ``(n,)``."""
+    """Inputs as float32 arrays ``(n, 1, L)`` or ``(n, 1, H, W)``, standardized with the
+    training set's one mean and standard deviation; labels as int64 ``(n,)``."""
 
     x_train: np.ndarray
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
-    name: str = "sklearn-digits"
+    name: str
 
     @property
     def n_classes(self) -> int:
         return int(self.y_train.max()) + 1
 
+    @property
+    def spatial(self) -> tuple:
+        """The size of one input channel: ``(L,)`` or ``(H, W)``."""
+        return tuple(self.x_train.shape[2:])
 
-def load(n_train: int | None = None, n_test: int | None = None) -> Dataset:
-    """Load scikit-learn's digits (bundled, offline) and split them with a fixed seed.
 
-    ``n_train`` / ``n_test`` keep only the first images of each split (``--quick``).
-    The inputs are scaled as ``x' = (x - m) / s`` with one scalar ``m`` and ``s`` from the
-    training images, so that the network without normalization layers starts from
-    zero-mean, unit-variance inputs like the others.
-    """
-    from sklearn.datasets import load_digits
+def _standardized(x, y, train, test, name) -> Dataset:
+    m, s = x[train].mean(), x[train].std()
+    scale = lambda a: ((a - m) / s).astype(np.float32)  # noqa: E731
+    return Dataset(scale(x[train]), y[train], scale(x[test]), y[test], name)
 
-    bunch = load_digits()
+
+def load_digits(n_train: int | None = None, n_test: int | None = None) -> Dataset:
+    """scikit-learn's digits (bundled, offline), split with a fixed seed; ``n_train`` /
+    ``n_test`` keep only the first images of each split (``--quick``)."""
+    from sklearn.datasets import load_digits as _sk_digits
+
+    bunch = _sk_digits()
     x = bunch.images.astype(np.float64)[:, None, :, :]  # N,1,8,8
     y = bunch.target.astype(np.int64)
     order = np.random.default_rng(SPLIT_SEED).permutation(len(y))
-    test, train = order[:N_TEST], order[N_TEST:]
-    if n_train is not None:
-        train = train[:n_train]
-    if n_test is not None:
-        test = test[:n_test]
-    m, s = x[train].mean(), x[train].std()
-    scale = lambda a: ((a - m) / s).astype(np.float32)  # noqa: E731
-    return Dataset(scale(x[train]), y[train], scale(x[test]), y[test])
+    test, train = order[:N_TEST_DIGITS], order[N_TEST_DIGITS:]
+    return _standardized(x, y, train[:n_train], test[:n_test], "sklearn-digits")
+
+
+def load_mnist1d(n_train: int = 20000, n_test: int = MNIST1D_TEST) -> Dataset:
+    """MNIST-1D generated by the ``mnist1d`` package from seed 42 with its default
+    transformations: ``n_train + n_test`` signals of length 40, the first ``n_train`` for
+    training. No file is read or written and nothing is downloaded.
+
+    ``make_dataset`` seeds NumPy's and Python's global generators; their states are put
+    back afterwards, so loading the data changes no other random stream.
+    """
+    if n_train < 10 or n_test < 10:
+        raise ValueError(f"MNIST-1D needs at least 10 training and 10 test signals (one per class); "
+                         f"got n_train={n_train}, n_test={n_test}")
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args()
+    total = n_train + n_test
+    args.num_samples = total
+    args.train_split = n_train / total
+    args.seed = MNIST1D_SEED
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        d = make_dataset(args)
+    finally:
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    x = np.concatenate([d["x"], d["x_test"]]).astype(np.float64)[:, None, :]  # N,1,40
+    y = np.concatenate([d["y"], d["y_test"]]).astype(np.int64)
+    # make_dataset rounds num_samples down to a multiple of 10 (samples per class)
+    n_tr = len(d["y"])
+    return _standardized(x, y, np.arange(n_tr), np.arange(n_tr, len(y)), "mnist1d")
+
+
+def load(name: str = "mnist1d", n_train: int | None = None, n_test: int | None = None) -> Dataset:
+    """The dataset ``name`` (one of :data:`DATASETS`); ``None`` sizes mean the full default."""
+    if name == "mnist1d":
+        return load_mnist1d(n_train or 20000, n_test or MNIST1D_TEST)
+    if name == "digits":
+        return load_digits(n_train, n_test)
+    raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")

@@ -6,9 +6,10 @@ import os
 
 import numpy as np
 
-from normkit.study.analysis import NAMES, TARGET_LOSS, reference_batch
+from normkit.study.analysis import NAMES, reference_batch, target_loss
+from normkit.study.shift import movement
 
-__all__ = ["plot_all", "PLOTS"]
+__all__ = ["plot_all", "plot_vit", "PLOTS", "SHIFT_PLOT", "VIT_PLOT"]
 
 PLOTS = {
     "batch_size": "study-batch-size.png",
@@ -16,6 +17,8 @@ PLOTS = {
     "train_eval": "study-bn-train-eval.png",
     "train_loss": "study-train-loss.png",
 }
+SHIFT_PLOT = "study-covariate-shift.png"
+VIT_PLOT = "study-vit.png"
 STYLE = {"none": ("#777777", "--"), "batch": ("#d62728", "-"), "batchrenorm": ("#ff7f0e", "-"),
          "group": ("#1f77b4", "-"), "layer": ("#2ca02c", "-"), "instance": ("#9467bd", "-"),
          "rms": ("#8c564b", "-")}
@@ -34,6 +37,20 @@ def matplotlib_ticker():
     import matplotlib.ticker
 
     return matplotlib.ticker
+
+
+def _save(plt, fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _label_and_save(plt, fig, axes, ylabel, title, path):
+    """A row of panels: y label and legend on the first, one title over all, then save."""
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    _save(plt, fig, path)
 
 
 def _series(summary, method, batch_sizes, metric):
@@ -70,14 +87,13 @@ def plot_batch_size(summary, protocol, path):
     ax.set_title(f"Test error vs batch size ({protocol['dataset']}, {protocol['train']['epochs']} epochs, "
                  f"mean ± std of {n} seed{'s' if n > 1 else ''})", fontsize=10)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_loss_curves(results, summary, protocol, path):
     """Training loss against steps at the reference batch, mean over seeds, with the step at
-    which each method first reaches TARGET_LOSS marked."""
+    which each method first reaches the target loss marked."""
+    target = target_loss(protocol)
     plt = _plt()
     ref = reference_batch(protocol["batch_sizes"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -93,19 +109,17 @@ def plot_loss_curves(results, summary, protocol, path):
         ax.plot(steps[:length], loss, color=color, ls=ls, label=NAMES.get(m, m))
         s = summary[m][str(ref)]["steps_to_target"]["mean"]
         if np.isfinite(s):
-            ax.plot([s], [TARGET_LOSS], marker="v", color=color, ms=7)
-    ax.axhline(TARGET_LOSS, color="black", lw=0.8, ls=":")
-    ax.text(ax.get_xlim()[1], TARGET_LOSS, f" target {TARGET_LOSS}", va="bottom", ha="right", fontsize=8)
+            ax.plot([s], [target], marker="v", color=color, ms=7)
+    ax.axhline(target, color="black", lw=0.8, ls=":")
+    ax.text(ax.get_xlim()[1], target, f" target {target}", va="bottom", ha="right", fontsize=8)
     ax.set_yscale("log")
     ax.set_xlabel(f"step (batch {ref})")
     ax.set_ylabel("training loss (cross-entropy, windowed mean)")
     ax.set_title(f"Training loss with and without normalization, batch {ref}; ▼ = first step at loss "
-                 f"≤ {TARGET_LOSS}", fontsize=10)
+                 f"≤ {target}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_train_eval(summary, protocol, path):
@@ -136,9 +150,7 @@ def plot_train_eval(summary, protocol, path):
     ax2.set_ylabel("train-mode minus eval-mode test error (points)")
     ax2.set_title("Train/eval gap of every method (0 = batch-independent)", fontsize=10)
     ax2.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_train_loss(summary, protocol, path):
@@ -155,16 +167,70 @@ def plot_train_loss(summary, protocol, path):
     ax.set_ylabel("final training loss (last window)")
     ax.set_title("Training loss at the end of the budget vs batch size", fontsize=10)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
+
+
+def plot_shift(runs, path):
+    """The BatchNorm paper's Figure 1 (b, c): the 15th, 50th and 85th percentiles of one
+    channel's pre-activation over training, one panel per method."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs), 3.4), sharex=True, squeeze=False)
+    for ax, r in zip(axes[0], runs):
+        v = np.asarray(r["shift"]["values"])  # T,3,C
+        color, _ = STYLE.get(r["method"], ("black", "-"))
+        for i, p in enumerate(r["shift"]["percentiles"]):
+            ax.plot(r["shift"]["step"], v[:, i, 0], color=color, lw=2 if p == 50 else 1,
+                    ls="-" if p == 50 else "--", label=f"{p}th")
+        travel = movement(r["shift"])
+        ax.set_title(f"{NAMES.get(r['method'], r['method'])}\nmedian moves {travel[50]:.2f} spreads",
+                     fontsize=9)
+        ax.set_xlabel(f"step (batch {r['batch_size']})")
+        ax.grid(alpha=0.3)
+    _label_and_save(plt, fig, axes, "pre-activation, channel 0 of block 3",
+                    "Internal covariate shift: 15th / 50th / 85th percentile of one channel's input to ReLU "
+                    "over training", path)
+
+
+def plot_vit(vit, path):
+    """Training loss of the small ViT with each norm, one panel per learning rate; an x marks
+    the last step of a run that diverged."""
+    plt = _plt()
+    p = vit["protocol"]
+    lrs = p["lrs"]
+    fig, axes = plt.subplots(1, len(lrs), figsize=(4 * len(lrs), 3.6), sharey=True, squeeze=False)
+    for ax, lr in zip(axes[0], lrs):
+        for m in p["methods"]:
+            runs = [r for r in vit["runs"] if r["method"] == m and r["lr"] == lr]
+            if not runs:
+                continue
+            r = runs[0]
+            color, ls = STYLE.get(m, ("black", "-"))
+            label = NAMES.get(m, m) + (" (over tokens)" if m == "batch" else "")
+            ax.plot(r["loss_curve"]["step"], r["loss_curve"]["loss"], color=color, ls=ls, label=label)
+            if r["diverged"]:
+                ax.plot([r["steps"]], [r["loss_curve"]["loss"][-1] if r["loss_curve"]["loss"] else 2.3],
+                        marker="x", color=color, ms=10, mew=2)
+        ax.axhline(p["target_loss"], color="black", lw=0.8, ls=":")
+        ax.set_yscale("log")
+        ax.set_title(f"peak learning rate {lr:g}", fontsize=10)
+        ax.set_xlabel(f"step (batch {p['batch_size']})")
+        ax.grid(alpha=0.3)
+    _label_and_save(plt, fig, axes, "training loss (windowed mean)",
+                    "Small SigLIP-style ViT on MNIST-1D: the norm in every block and at the end (x = diverged)",
+                    path)
 
 
 def plot_all(results, summary, out_dir) -> dict:
-    """Draw every plot into ``out_dir``; return ``{key: file name}``."""
+    """Draw every plot into ``out_dir``; return ``{key: file name}`` (``shift`` only when
+    some run recorded the covariate shift)."""
     p = results["protocol"]
     plot_batch_size(summary, p, os.path.join(out_dir, PLOTS["batch_size"]))
     plot_loss_curves(results, summary, p, os.path.join(out_dir, PLOTS["loss_curves"]))
     plot_train_eval(summary, p, os.path.join(out_dir, PLOTS["train_eval"]))
     plot_train_loss(summary, p, os.path.join(out_dir, PLOTS["train_loss"]))
-    return dict(PLOTS)
+    plots = dict(PLOTS)
+    shift_runs = [r for r in results["runs"] if "shift" in r]
+    if shift_runs:
+        plot_shift(shift_runs, os.path.join(out_dir, SHIFT_PLOT))
+        plots["shift"] = SHIFT_PLOT
+    return plots

@@ -3,6 +3,18 @@
 Results go to ``results.json`` in the output folder after *every* finished run (written to
 a temporary file, then renamed, so an interrupted run never leaves a half-written file).
 Started again with the same protocol, the study skips the runs already in that file.
+
+The grid. Every method is trained at every batch size only with ``all_batches``; by
+default the batch size is swept for the methods whose result can depend on it --
+BatchNorm and BatchRenorm, with GroupNorm as the batch-independent reference, as in the
+GroupNorm paper's Figure 1 -- while the other methods (none, LayerNorm, InstanceNorm,
+RMSNorm) run at the smallest, the reference (32) and the largest batch. That keeps the
+default MNIST-1D study within ten minutes on two cores: a run's cost is dominated by its
+number of steps, and the smallest batch has the most.
+
+Reproducible: every run computes with one thread (torch and numba) in whichever process
+runs it, and its randomness comes from its seed alone, so the same command gives the same
+numbers whatever the number of worker processes.
 """
 
 from __future__ import annotations
@@ -14,15 +26,28 @@ import time
 from normkit._atomic import write_text_atomic
 from normkit.study import data as data_module
 from normkit.study import model as model_module
+from normkit.study.analysis import reference_batch
 from normkit.study.train import TrainConfig, train_one
 
-__all__ = ["DEFAULTS", "QUICK", "plan", "run_study", "load_results", "RESULTS_FILE"]
+__all__ = ["DEFAULTS", "QUICK", "SWEPT", "SHIFT_METHODS", "plan", "run_study", "load_results",
+           "RESULTS_FILE"]
 
 RESULTS_FILE = "results.json"
 
-DEFAULTS = dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=4, n_train=None, n_test=None)
+# per dataset; n_train / n_test None = the dataset's own split
+DEFAULTS = {
+    "mnist1d": dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=1, n_train=8000,
+                    n_test=5000, base_lr=0.1),
+    "digits": dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=4, n_train=None, n_test=None,
+                   base_lr=0.05),
+}
 # --quick: a few seconds, for tests and a first look; not meant to show anything
-QUICK = dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, n_train=192, n_test=96)
+QUICK = {
+    "mnist1d": dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, n_train=200, n_test=100, base_lr=0.1),
+    "digits": dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, n_train=192, n_test=96, base_lr=0.05),
+}
+SWEPT = ("batch", "batchrenorm", "group")        # trained at every batch size by default
+SHIFT_METHODS = ("none", "batch", "group", "layer")  # whose covariate shift is recorded
 
 
 def _cost(steps: int, batch_size: int) -> float:
@@ -31,10 +56,26 @@ def _cost(steps: int, batch_size: int) -> float:
     return steps * (1.0 + batch_size / 20.0)
 
 
-def plan(methods, batch_sizes, seeds):
+def batches_for(method, batch_sizes, all_batches=False) -> tuple:
+    """The batch sizes ``method`` is trained at (see the module docstring)."""
+    bs = sorted(batch_sizes)
+    if all_batches or method in SWEPT:
+        return tuple(bs)
+    return tuple(sorted({bs[0], reference_batch(bs), bs[-1]}))
+
+
+def plan(methods, batch_sizes, seeds, all_batches=False):
     """Runs in the order they are trained: seed by seed, so a partial study already has
     every method and batch size for the first seeds."""
-    return [(m, b, s) for s in seeds for b in batch_sizes for m in methods]
+    return [(m, b, s) for s in seeds for b in sorted(batch_sizes) for m in methods
+            if b in batches_for(m, batch_sizes, all_batches)]
+
+
+def _records_shift(task, protocol) -> bool:
+    """Seed 0's run at the reference batch of the methods in SHIFT_METHODS, on MNIST-1D."""
+    m, b, s = task
+    return (protocol["dataset"] == "mnist1d" and m in SHIFT_METHODS and s == protocol["seeds"][0]
+            and b == reference_batch(protocol["batch_sizes"]))
 
 
 def load_results(path) -> dict | None:
@@ -49,8 +90,12 @@ def _save(path, results):
     write_text_atomic(path, json.dumps(results, indent=1, allow_nan=True))
 
 
-# worker processes keep the data loaded between runs
+# the data, loaded once in the main process and handed to each worker when it starts
 _DATA = {}
+
+
+def _init_worker(dataset):
+    _DATA["data"] = dataset
 
 
 def _one_thread():
@@ -69,32 +114,70 @@ def _one_thread():
 def _run(task):
     method, batch_size, seed, protocol = task
     _one_thread()
-    key = (protocol["n_train"], protocol["n_test"])
-    if key not in _DATA:
-        _DATA[key] = data_module.load(*key)
-    return train_one(_DATA[key], method, batch_size, seed, protocol["train"])
+    return train_one(_DATA["data"], method, batch_size, seed, protocol["train"],
+                     record_shift=_records_shift((method, batch_size, seed), protocol))
 
 
 def _fingerprint(protocol):
     """The parts of the protocol that must match for old runs to be reused."""
-    return {k: protocol[k] for k in ("dataset", "n_train", "n_test", "train", "layer_source", "model")}
+    return {k: protocol.get(k) for k in ("dataset", "n_train", "n_test", "train", "layer_source", "model")}
+
+
+def execute(run, tasks, data, jobs, done) -> None:
+    """``done(run(task))`` for every task, in ``jobs`` worker processes (each given ``data``
+    once, at start) or in this process when ``jobs`` is 1; ``run`` must be a module-level
+    function that reads the data from ``_DATA["data"]``."""
+    if jobs > 1 and len(tasks) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # spawn, not fork: forked workers inherit torch's and numba's thread-pool state and
+        # ran ten times slower here. Spawn re-imports the caller's main module only when it is
+        # a script (the `normkit` script has a main guard) -- never for `python -m normkit`.
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker, initargs=(data,))
+        try:
+            for fut in as_completed([pool.submit(run, task) for task in tasks]):
+                done(fut.result())
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        return
+    import torch
+
+    threads = torch.get_num_threads()
+    _init_worker(data)
+    try:
+        for task in tasks:
+            done(run(task))
+    finally:
+        torch.set_num_threads(threads)
+        try:
+            import numba
+
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        except ImportError:
+            pass
+
+
+MODELS = {
+    "mnist1d": "Conv1dNet (3 conv: k5, k3/2, k3/2, 32 channels, lengths 40-20-10, GAP, linear)",
+    "digits": "SmallCNN(4 conv 3x3: 16-32-64-64, maps 8-8-4-2, GAP, linear)",
+}
 
 
 def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, quick=False, jobs=None,
-              fresh=False, progress=True, base_lr=0.05) -> dict:
+              fresh=False, progress=True, base_lr=None, dataset="mnist1d", all_batches=False) -> dict:
     """Train the grid, resuming from ``out_dir/results.json``; return the results dict
     (protocol, runs, elapsed time). The report is made separately (see ``report``)."""
-    base = QUICK if quick else DEFAULTS
+    if dataset not in data_module.DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(data_module.DATASETS)}")
+    base = (QUICK if quick else DEFAULTS)[dataset]
     available = model_module.available_methods()
     methods = tuple(methods) if methods else available
     unknown = [m for m in methods if m not in model_module.METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(available)}")
-    missing = [m for m in methods if m not in available]
-    if missing:
-        raise ValueError(f"method(s) {', '.join(missing)} are not available in this installation "
-                         f"(normkit.nn has no BatchRenorm2d yet); leave them out of --methods")
     batch_sizes = tuple(sorted(set(int(b) for b in (batch_sizes or base["batch_sizes"]))))
     seeds = tuple(int(s) for s in (seeds if seeds is not None else base["seeds"]))
     epochs = int(epochs or base["epochs"])
@@ -106,17 +189,17 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
     if jobs is None:
         jobs = 1 if quick else min(2, os.cpu_count() or 1)
 
-    data = data_module.load(base["n_train"], base["n_test"])
+    data = data_module.load(dataset, base["n_train"], base["n_test"])
     protocol = {
-        "dataset": data.name,
+        "dataset": dataset,
         "n_train": base["n_train"], "n_test": base["n_test"],
         "train_images": int(len(data.y_train)), "test_images": int(len(data.y_test)),
-        "train": dict(TrainConfig(epochs=epochs, base_lr=base_lr)),
+        "train": dict(TrainConfig(epochs=epochs, base_lr=float(base_lr or base["base_lr"]))),
         "layer_source": model_module.layer_source(),
-        "model": "SmallCNN(4 conv 3x3: 16-32-64-64, maps 8-8-4-2, GAP, linear); "
-                 "BatchRenorm warm-up 1/8, ramps 1/4 of the steps",
+        "model": MODELS[dataset] + "; BatchRenorm warm-up 1/8, ramps 1/4 of the steps",
         "methods": list(methods), "batch_sizes": list(batch_sizes), "seeds": list(seeds),
-        "quick": bool(quick),
+        "swept": [m for m in methods if all_batches or m in SWEPT],
+        "all_batches": bool(all_batches), "quick": bool(quick),
     }
 
     os.makedirs(out_dir, exist_ok=True)
@@ -128,8 +211,8 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
             raise ValueError(f"{path} holds runs of a different protocol (epochs, data, learning rate "
                              f"or layers differ); pass --fresh to start over, or a new --out folder")
         runs = {(r["method"], r["batch_size"], r["seed"]): r for r in old.get("runs", [])}
-    todo = [t for t in plan(methods, batch_sizes, seeds) if t not in runs]
-    wanted = set(plan(methods, batch_sizes, seeds))
+    todo = [t for t in plan(methods, batch_sizes, seeds, all_batches) if t not in runs]
+    wanted = set(plan(methods, batch_sizes, seeds, all_batches))
     n_train = protocol["train_images"]
     cost = {t: _cost(epochs * (n_train // t[1]), t[1]) for t in todo}
     results = {"normkit_study": 1, "protocol": protocol, "runs": [], "elapsed_seconds": 0.0}
@@ -137,23 +220,13 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
 
     def store():
         # the grid's runs in order, then any older runs outside this grid (kept, not reported)
-        order = [t for t in plan(methods, batch_sizes, seeds) if t in runs]
+        order = [t for t in plan(methods, batch_sizes, seeds, all_batches) if t in runs]
         results["runs"] = [runs[t] for t in order] + [r for t, r in runs.items() if t not in wanted]
         results["elapsed_seconds"] = elapsed_before + (time.perf_counter() - start)
         _save(path, results)
 
     start = time.perf_counter()
     tasks = [(m, b, s, protocol) for (m, b, s) in todo]
-    pool = futures = None
-    if jobs > 1 and len(tasks) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        # spawn, not fork: forked workers inherit torch's and numba's thread-pool state and
-        # ran ten times slower here. Spawn re-imports the caller's main module only when it is
-        # a script (the `normkit` script has a main guard) -- never for `python -m normkit`.
-        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
-        futures = {pool.submit(_run, task): task[:3] for task in tasks}
     bar = None
     if progress and todo:
         from tqdm.auto import tqdm
@@ -171,29 +244,8 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
             bar.set_description_str(f"{len(runs)}/{len(wanted)} runs")
 
     try:
-        if pool is None:
-            import torch
-
-            threads = torch.get_num_threads()
-            try:
-                for task in tasks:
-                    done(_run(task))
-            finally:
-                torch.set_num_threads(threads)
-                try:
-                    import numba
-
-                    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-                except ImportError:
-                    pass
-        else:
-            from concurrent.futures import as_completed
-
-            for fut in as_completed(futures):
-                done(fut.result())
+        execute(_run, tasks, data, jobs, done)
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
         if bar is not None:
             bar.close()
     store()

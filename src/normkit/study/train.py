@@ -9,7 +9,8 @@ Protocol (the same for every run)
 
       lr(B) = base_lr * B / 32
 
-  with a linear warm-up over the first epoch and a cosine decay to zero after it, per step;
+  with a linear warm-up over the first quarter of the steps and a cosine decay to zero
+  after it, per step;
 * the training set is reshuffled every epoch from a generator seeded by the run's seed;
   the model's initial weights come from the same seed, so two methods with the same seed
   start from the same convolution and linear weights;
@@ -27,7 +28,15 @@ Measured at the end of the run
 * ``batch_dependence``: the largest change of one image's logits, in training mode, when
   the other ``B - 1`` images of its batch are swapped for different ones. Zero (up to
   rounding) for the per-sample methods, large for BatchNorm;
-* ``loss_curve``: the mean training loss over consecutive windows of steps.
+* ``loss_curve``: the mean training loss over consecutive windows of steps;
+* ``seconds`` and ``cpu_seconds``: the run's wall time and the CPU time of its process (the
+  CPU time does not grow when other programs share the machine);
+* ``shift`` (only when asked for): the 15th, 50th and 85th percentiles of each channel of
+  the last block's pre-activation on a fixed probe of test inputs, over training (see
+  :mod:`normkit.study.shift`).
+
+Two calls with the same arguments give the same numbers: the weights and the shuffling come
+from the seed, and the study computes with one thread per process (see ``runner``).
 """
 
 from __future__ import annotations
@@ -39,9 +48,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from normkit.study.model import SmallCNN
+from normkit.study.model import build_model
+from normkit.study.shift import ShiftRecorder
 
-__all__ = ["TrainConfig", "train_one", "learning_rate"]
+__all__ = ["TrainConfig", "train_one", "fit", "evaluate", "learning_rate"]
 
 REFERENCE_BATCH = 32  # the batch size at which lr == base_lr
 CURVE_POINTS = 60     # windows in a run's training-loss curve (at most)
@@ -50,10 +60,10 @@ CURVE_POINTS = 60     # windows in a run's training-loss curve (at most)
 class TrainConfig(dict):
     """The protocol's knobs, a plain dict so it goes into results.json as it is."""
 
-    def __init__(self, epochs=4, base_lr=0.05, momentum=0.9, weight_decay=5e-4, warmup_epochs=1.0,
+    def __init__(self, epochs=4, base_lr=0.05, momentum=0.9, weight_decay=5e-4, warmup_fraction=0.25,
                  eval_batch=256):
         super().__init__(epochs=epochs, base_lr=base_lr, momentum=momentum, weight_decay=weight_decay,
-                         warmup_epochs=warmup_epochs, eval_batch=eval_batch,
+                         warmup_fraction=warmup_fraction, eval_batch=eval_batch,
                          reference_batch=REFERENCE_BATCH)
 
 
@@ -104,73 +114,88 @@ def _batch_dependence(model, x, batch) -> float:
     return float((first - other).abs().max())
 
 
-def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig) -> dict:
-    """Train ``SmallCNN(method)`` on ``data`` with ``batch_size`` and ``seed``; return its
-    numbers (see the module docstring)."""
-    start = time.perf_counter()
+def fit(model, opt, batches, x, y, total: int, peak_lr: float, warmup: int, after_step=None):
+    """Train ``model`` on the index batches ``batches`` (``total`` of them) of ``x``, ``y``
+    with cross-entropy, setting ``opt``'s rate to ``peak_lr * _schedule(...)`` before each
+    step and calling ``after_step(step)`` after it. Stops at the first non-finite loss.
+    Returns ``(steps done, diverged, curve steps, curve losses)``, the curve being the mean
+    loss over windows of ``total / CURVE_POINTS`` steps."""
+    window = max(1, math.ceil(total / CURVE_POINTS))
+    curve_steps, curve_loss, acc, acc_n, step = [], [], 0.0, 0, 0
+    model.train()
+    for idx in batches:
+        for group in opt.param_groups:
+            group["lr"] = peak_lr * _schedule(step, total, warmup)
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        if not torch.isfinite(loss):
+            return step, True, curve_steps, curve_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        if after_step is not None:
+            after_step(step)
+        acc += loss.item()
+        acc_n += 1
+        if acc_n == window or step == total:
+            curve_steps.append(step)
+            curve_loss.append(acc / acc_n)
+            acc, acc_n = 0.0, 0
+    return step, False, curve_steps, curve_loss
+
+
+def evaluate(model, x_test, y_test, batch_size: int, eval_batch: int, diverged: bool, n_classes: int) -> dict:
+    """Test error in eval and in training mode, and the batch dependence (module docstring);
+    chance level and nan for a run that diverged."""
+    model.eval()
+    if diverged:
+        chance = 1.0 - 1.0 / n_classes
+        return {"test_error": chance, "test_error_train_mode": chance, "batch_dependence": float("nan")}
+    return {"test_error": _error(model, x_test, y_test, eval_batch),
+            "test_error_train_mode": _train_mode_error(model, x_test, y_test, batch_size),
+            "batch_dependence": _batch_dependence(model, x_test, batch_size)}
+
+
+def _epochs(n, batch_size, epochs, gen):
+    """Index batches: ``epochs`` passes over ``n`` samples, reshuffled each pass, the last
+    incomplete batch of a pass dropped."""
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen)
+        for b in range(n // batch_size):
+            yield order[b * batch_size:(b + 1) * batch_size]
+
+
+def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig,
+              record_shift: bool = False) -> dict:
+    """Train the study's CNN with ``method`` on ``data`` with ``batch_size`` and ``seed``;
+    return its numbers (see the module docstring). ``record_shift`` also follows the last
+    block's pre-activation over training (:class:`~normkit.study.shift.ShiftRecorder`)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     x_train, y_train = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     x_test, y_test = torch.from_numpy(data.x_test), torch.from_numpy(data.y_test)
     n = len(y_train)
     if batch_size > n:
         raise ValueError(f"batch size {batch_size} is larger than the {n} training images; "
                          f"pass smaller --batch-sizes")
-    steps_per_epoch = n // batch_size
-    total = config["epochs"] * steps_per_epoch
+    total = config["epochs"] * (n // batch_size)
     torch.manual_seed(seed)
-    model = SmallCNN(method, n_classes=data.n_classes, total_steps=total)
-    warmup = min(total, max(1, round(config["warmup_epochs"] * steps_per_epoch)))
+    model = build_model(method, data.spatial, data.n_classes, total)
+    warmup = min(total, max(1, round(config["warmup_fraction"] * total)))
     peak_lr = learning_rate(config["base_lr"], batch_size)
     opt = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=config["momentum"],
                           weight_decay=config["weight_decay"])
     gen = torch.Generator().manual_seed(seed)
-
-    window = max(1, math.ceil(total / CURVE_POINTS))
-    curve_steps, curve_loss, acc, acc_n = [], [], 0.0, 0
-    diverged = False
-    step = 0
-    model.train()
-    for _ in range(config["epochs"]):
-        order = torch.randperm(n, generator=gen)
-        for b in range(steps_per_epoch):
-            idx = order[b * batch_size:(b + 1) * batch_size]
-            for group in opt.param_groups:
-                group["lr"] = peak_lr * _schedule(step, total, warmup)
-            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
-            if not torch.isfinite(loss):
-                diverged = True
-                break
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            acc += loss.item()
-            acc_n += 1
-            if acc_n == window or step == total:
-                curve_steps.append(step)
-                curve_loss.append(acc / acc_n)
-                acc, acc_n = 0.0, 0
-        if diverged:
-            break
-
-    model.eval()
-    if diverged:
-        err = err_train_mode = 1.0 - 1.0 / data.n_classes  # chance level
-        dependence = float("nan")
-    else:
-        err = _error(model, x_test, y_test, config["eval_batch"])
-        err_train_mode = _train_mode_error(model, x_test, y_test, batch_size)
-        dependence = _batch_dependence(model, x_test, batch_size)
-    return {
-        "method": method,
-        "batch_size": batch_size,
-        "seed": seed,
-        "lr": peak_lr,
-        "steps": step,
-        "diverged": diverged,
-        "test_error": err,
-        "test_error_train_mode": err_train_mode,
-        "batch_dependence": dependence,
-        "final_train_loss": curve_loss[-1] if curve_loss else float("nan"),
-        "loss_curve": {"step": curve_steps, "loss": [round(v, 5) for v in curve_loss]},
-        "seconds": time.perf_counter() - start,
-    }
+    recorder = ShiftRecorder(model, x_test, total) if record_shift else None
+    step, diverged, curve_steps, curve_loss = fit(
+        model, opt, _epochs(n, batch_size, config["epochs"], gen), x_train, y_train, total, peak_lr, warmup,
+        recorder.after_step if recorder is not None else None)
+    out = {"method": method, "batch_size": batch_size, "seed": seed, "lr": peak_lr, "steps": step,
+           "diverged": diverged,
+           **evaluate(model, x_test, y_test, batch_size, config["eval_batch"], diverged, data.n_classes),
+           "final_train_loss": curve_loss[-1] if curve_loss else float("nan"),
+           "loss_curve": {"step": curve_steps, "loss": [round(v, 5) for v in curve_loss]},
+           "seconds": time.perf_counter() - start,
+           "cpu_seconds": time.process_time() - cpu_start}
+    if recorder is not None:
+        out["shift"] = recorder.result()
+    return out
