@@ -15,10 +15,14 @@ driver every kernel calls, ``store(dst, arrays, scalars, prefetch, stream)``:
   operations in the same order as the plain loop: the same bits;
 * prefetch: for float32/float64 the span is written in pieces of
   ``tuning.PREFETCH_PIECE`` elements, each followed by a prefetch into L2 of the same
-  piece of the arrays in ``prefetch`` (a row or plane ahead; empty arrays: none).
+  piece of the two arrays in ``prefetch`` (rows or planes ahead; empty arrays: none).
 
 Half precision always takes the plain loop over the whole span, unchunked: its pace is
 the conversion in registers, chunking cost it, and it compiles nothing more.
+
+The channels_last formulas (per-channel coefficients, rows of C elements) go through
+``rows_store(formula)`` instead, the same plain and streamed code walked a row at a time
+over a whole range of rows in one call.
 
 A kernel that streamed anything calls ``fence()`` before it returns: non-temporal stores
 are weakly ordered.
@@ -35,7 +39,7 @@ from normkit.backends.cpu.half import is_half, load, store
 from normkit.backends.cpu.tuning import PREFETCH_PIECE
 
 __all__ = ["affine_per_channel", "affine_per_element", "affine_scalar", "dx_per_channel",
-           "dx_rows_planes", "fence", "prefetch", "span_store"]
+           "dx_rows_planes", "fence", "prefetch", "rows_store", "span_store"]
 
 
 # ---- the output formulas ----------------------------------------------------------------
@@ -202,7 +206,7 @@ def prefetch(typingctx, a, i):
     return nbt.none(a, i), codegen
 
 
-@register_jitable
+@register_jitable(inline="always")
 def _prefetch_lines(a, i0, i1):
     """``prefetch`` the cache lines of a[i0:i1] (clipped to a)."""
     for i in range(i0, min(i1, a.shape[0]), max(1, 64 // a.itemsize)):
@@ -210,6 +214,11 @@ def _prefetch_lines(a, i0, i1):
 
 
 # ---- tuples of arrays, element by element -----------------------------------------------
+
+# The helpers below and the drivers are inlined into the kernel (numba IR inlining) and
+# take arrays out of tuples outside the loops: each array passed to a call or taken out
+# of a tuple costs a reference-count increment and decrement (atomic operations), which
+# the kernels would otherwise pay per row, plane or piece.
 
 def _load_each(arrays, i):
     """``(load(a, i) for a in arrays)`` as a tuple."""
@@ -219,31 +228,38 @@ def _slice_each(arrays, i0, i1):
     """``(a[i0:i1] for a in arrays)`` as a tuple."""
 
 
-@overload(_load_each)
+@overload(_load_each, inline="always")
 def _load_each_impl(arrays, i):
     if len(arrays) == 0:
         return lambda arrays, i: ()
     return lambda arrays, i: (load(arrays[0], i),) + _load_each(arrays[1:], i)
 
 
-@overload(_slice_each)
+@overload(_slice_each, inline="always")
 def _slice_each_impl(arrays, i0, i1):
-    if len(arrays) == 0:
-        return lambda arrays, i0, i1: ()
-    return lambda arrays, i0, i1: (arrays[0][i0:i1],) + _slice_each(arrays[1:], i0, i1)
+    # written out per length (the formulas take one to three arrays of a span): a
+    # recursion over arrays[1:] would build a tuple per piece
+    if len(arrays) == 1:
+        return lambda arrays, i0, i1: (arrays[0][i0:i1],)
+    if len(arrays) == 2:
+        return lambda arrays, i0, i1: (arrays[0][i0:i1], arrays[1][i0:i1])
+    if len(arrays) == 3:
+        return lambda arrays, i0, i1: (arrays[0][i0:i1], arrays[1][i0:i1], arrays[2][i0:i1])
+    return None
 
 
 # ---- the one driver ---------------------------------------------------------------------
 
 def span_store(formula):
     """The driver ``store(dst, arrays, scalars, prefetch, stream)`` of ``formula`` (a
-    jitable function): ``dst[i] = formula(*arrays[i], *scalars)`` over a span, streamed
-    when ``stream``, with the lines of each array of the tuple ``prefetch`` fetched piece
-    by piece meanwhile (see the module docstring)."""
+    jitable function): ``dst[i] = formula(*arrays[i], *scalars)`` over a span (one to
+    three arrays), streamed when ``stream``, with the lines of the two arrays of
+    ``prefetch`` (the x and g ahead; an empty array: none) fetched piece by piece
+    meanwhile (see the module docstring)."""
     register_jitable(formula)
     streamed = _streamed(formula)
 
-    @register_jitable
+    @register_jitable(inline="always")
     def plain(dst, arrays, scalars):
         for i in range(dst.shape[0]):
             store(dst, i, formula(*(_load_each(arrays, i) + scalars)))
@@ -251,20 +267,26 @@ def span_store(formula):
     def driver(dst, arrays, scalars, prefetch, stream):
         """``formula`` stored over dst."""
 
-    @overload(driver)
+    @overload(driver, inline="always")
     def _driver_impl(dst, arrays, scalars, prefetch, stream):
         if is_half(dst):
             return lambda dst, arrays, scalars, prefetch, stream: plain(dst, arrays, scalars)
 
         def pieces(dst, arrays, scalars, prefetch, stream):
-            for i0 in range(0, dst.shape[0], PREFETCH_PIECE):
-                i1 = min(dst.shape[0], i0 + PREFETCH_PIECE)
-                if stream:
+            n = dst.shape[0]
+            ahead_a, ahead_b = prefetch                            # once, not per piece
+            if stream:
+                for i0 in range(0, n, PREFETCH_PIECE):
+                    i1 = min(n, i0 + PREFETCH_PIECE)
                     streamed(dst[i0:i1], _slice_each(arrays, i0, i1), scalars)
-                else:
+                    _prefetch_lines(ahead_a, i0, i1)
+                    _prefetch_lines(ahead_b, i0, i1)
+            else:
+                for i0 in range(0, n, PREFETCH_PIECE):
+                    i1 = min(n, i0 + PREFETCH_PIECE)
                     plain(dst[i0:i1], _slice_each(arrays, i0, i1), scalars)
-                for a in prefetch:
-                    _prefetch_lines(a, i0, i1)
+                    _prefetch_lines(ahead_a, i0, i1)
+                    _prefetch_lines(ahead_b, i0, i1)
         return pieces
 
     driver.__name__ = driver.__qualname__ = f"store_{formula.__name__}"
@@ -272,8 +294,48 @@ def span_store(formula):
     return driver
 
 
+def rows_store(formula):
+    """The driver ``store(dst, row_arrays, channel_arrays, c_, r0, r1, stream)`` of a
+    per-channel ``formula`` over the rows [r0, r1) of C elements of one channels_last
+    sample: ``dst[r*C + c] = formula(*row_arrays[r*C + c], *channel_arrays[c])``, a row
+    at a time, streamed when ``stream``. One call walks a whole range of rows: a call per
+    row of C elements would cost more than the row (see ``span_store``)."""
+    register_jitable(formula)
+    streamed = _streamed(formula)
+
+    @register_jitable
+    def plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1):
+        for r in range(r0, r1):
+            d = dst[r * c_:(r + 1) * c_]                               # C
+            arrays = _slice_each(row_arrays, r * c_, (r + 1) * c_) + channel_arrays
+            for c in range(c_):
+                store(d, c, formula(*_load_each(arrays, c)))
+
+    def driver(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
+        """``formula`` stored over rows."""
+
+    @overload(driver)
+    def _driver_impl(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
+        if is_half(dst):
+            def half_rows(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
+                plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1)
+            return half_rows
+
+        def each_row(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
+            if not stream:
+                plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1)
+                return
+            for r in range(r0, r1):
+                streamed(dst[r * c_:(r + 1) * c_],
+                         _slice_each(row_arrays, r * c_, (r + 1) * c_) + channel_arrays, ())
+        return each_row
+
+    driver.__name__ = driver.__qualname__ = f"store_rows_{formula.__name__}"
+    return driver
+
+
 store_affine_per_element = span_store(affine_per_element)
 store_affine_scalar = span_store(affine_scalar)
-store_affine_per_channel = span_store(affine_per_channel)
 store_dx_rows_planes = span_store(dx_rows_planes)
-store_dx_per_channel = span_store(dx_per_channel)
+store_affine_per_channel = rows_store(affine_per_channel)
+store_dx_per_channel = rows_store(dx_per_channel)
