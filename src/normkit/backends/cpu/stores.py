@@ -3,7 +3,8 @@
 An output of the kernels is ``dst[i] = formula(a_1[i], .., a_n[i], s_1, .., s_m)`` over a
 contiguous span, for arrays ``a`` and scalars ``s``. Each formula is a plain Python
 function of numbers (the five below). ``span_store(formula)`` makes from it the one
-driver every kernel calls, ``store(dst, arrays, scalars, prefetch, stream)``:
+driver the rows and NCHW planes kernels call, ``store(dst, arrays, scalars, prefetch,
+stream)``, in place of a plain loop, a streamed twin and a prefetching walk per formula:
 
 * plain: a loop of ``half.store(dst, i, formula(half.load(a, i).., s..))``, which LLVM
   vectorizes;
@@ -215,10 +216,10 @@ def _prefetch_lines(a, i0, i1):
 
 # ---- tuples of arrays, element by element -----------------------------------------------
 
-# The helpers below and the drivers are inlined into the kernel (numba IR inlining) and
-# take arrays out of tuples outside the loops: each array passed to a call or taken out
-# of a tuple costs a reference-count increment and decrement (atomic operations), which
-# the kernels would otherwise pay per row, plane or piece.
+# The drivers and the helpers below are inlined into the kernel (numba IR inlining): each
+# array passed to a call costs a reference-count increment and decrement (atomic
+# operations), which the kernels would otherwise pay per row of C or per piece. The plain
+# loop itself is the exception: LLVM vectorizes it only when it is compiled on its own.
 
 def _load_each(arrays, i):
     """``(load(a, i) for a in arrays)`` as a tuple."""
@@ -228,27 +229,49 @@ def _slice_each(arrays, i0, i1):
     """``(a[i0:i1] for a in arrays)`` as a tuple."""
 
 
+# Written out per length (the formulas take one to six arrays): a recursion over
+# arrays[1:] would build a tuple of arrays per element or piece.
+_LOADS = {
+    1: lambda arrays, i: (load(arrays[0], i),),
+    2: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i)),
+    3: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i), load(arrays[2], i)),
+    4: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i), load(arrays[2], i),
+                          load(arrays[3], i)),
+    6: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i), load(arrays[2], i),
+                          load(arrays[3], i), load(arrays[4], i), load(arrays[5], i)),
+}
+_SLICES = {
+    1: lambda arrays, i0, i1: (arrays[0][i0:i1],),
+    2: lambda arrays, i0, i1: (arrays[0][i0:i1], arrays[1][i0:i1]),
+    3: lambda arrays, i0, i1: (arrays[0][i0:i1], arrays[1][i0:i1], arrays[2][i0:i1]),
+}
+
+
+def _apply(formula):
+    """``formula`` of one tuple of its arguments, ``apply(t) = formula(*t)`` written out
+    for its number of arguments, both inlined: a call per element that numba does not
+    inline keeps LLVM from vectorizing the loop (and numba inlines no ``*args`` call)."""
+    f = register_jitable(inline="always")(formula)
+    calls = {
+        4: lambda t: f(t[0], t[1], t[2], t[3]),
+        5: lambda t: f(t[0], t[1], t[2], t[3], t[4]),
+        6: lambda t: f(t[0], t[1], t[2], t[3], t[4], t[5]),
+        7: lambda t: f(t[0], t[1], t[2], t[3], t[4], t[5], t[6]),
+    }
+    return register_jitable(inline="always")(calls[formula.__code__.co_argcount])
+
+
 @overload(_load_each, inline="always")
 def _load_each_impl(arrays, i):
-    if len(arrays) == 0:
-        return lambda arrays, i: ()
-    return lambda arrays, i: (load(arrays[0], i),) + _load_each(arrays[1:], i)
+    return _LOADS.get(len(arrays))
 
 
 @overload(_slice_each, inline="always")
 def _slice_each_impl(arrays, i0, i1):
-    # written out per length (the formulas take one to three arrays of a span): a
-    # recursion over arrays[1:] would build a tuple per piece
-    if len(arrays) == 1:
-        return lambda arrays, i0, i1: (arrays[0][i0:i1],)
-    if len(arrays) == 2:
-        return lambda arrays, i0, i1: (arrays[0][i0:i1], arrays[1][i0:i1])
-    if len(arrays) == 3:
-        return lambda arrays, i0, i1: (arrays[0][i0:i1], arrays[1][i0:i1], arrays[2][i0:i1])
-    return None
+    return _SLICES.get(len(arrays))
 
 
-# ---- the one driver ---------------------------------------------------------------------
+# ---- the drivers ---------------------------------------------------------------------
 
 def span_store(formula):
     """The driver ``store(dst, arrays, scalars, prefetch, stream)`` of ``formula`` (a
@@ -256,20 +279,22 @@ def span_store(formula):
     three arrays), streamed when ``stream``, with the lines of the two arrays of
     ``prefetch`` (the x and g ahead; an empty array: none) fetched piece by piece
     meanwhile (see the module docstring)."""
-    register_jitable(formula)
+    apply = _apply(formula)
     streamed = _streamed(formula)
 
-    @register_jitable(inline="always")
-    def plain(dst, arrays, scalars):
+    def plain_loop(dst, arrays, scalars):
         for i in range(dst.shape[0]):
-            store(dst, i, formula(*(_load_each(arrays, i) + scalars)))
+            store(dst, i, apply(_load_each(arrays, i) + scalars))
+
+    # compiled on its own, not inlined into the driver: LLVM vectorizes the loop only there
+    plain = register_jitable(plain_loop)
 
     def driver(dst, arrays, scalars, prefetch, stream):
         """``formula`` stored over dst."""
 
     @overload(driver, inline="always")
     def _driver_impl(dst, arrays, scalars, prefetch, stream):
-        if is_half(dst):
+        if is_half(dst):                                           # plain, whole span
             return lambda dst, arrays, scalars, prefetch, stream: plain(dst, arrays, scalars)
 
         def pieces(dst, arrays, scalars, prefetch, stream):
@@ -300,7 +325,7 @@ def rows_store(formula):
     sample: ``dst[r*C + c] = formula(*row_arrays[r*C + c], *channel_arrays[c])``, a row
     at a time, streamed when ``stream``. One call walks a whole range of rows: a call per
     row of C elements would cost more than the row (see ``span_store``)."""
-    register_jitable(formula)
+    apply = _apply(formula)
     streamed = _streamed(formula)
 
     @register_jitable
@@ -309,7 +334,7 @@ def rows_store(formula):
             d = dst[r * c_:(r + 1) * c_]                               # C
             arrays = _slice_each(row_arrays, r * c_, (r + 1) * c_) + channel_arrays
             for c in range(c_):
-                store(d, c, formula(*_load_each(arrays, c)))
+                store(d, c, apply(_load_each(arrays, c)))
 
     def driver(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
         """``formula`` stored over rows."""
