@@ -17,20 +17,22 @@ pytestmark = pytest.mark.usefixtures("threaded")
 
 @njit
 def _store(kind, dst, xs, gs, ws, bs, scalars, prefetch, stream):
-    """Each formula through its driver, the way the kernels call it."""
+    """Each formula through its driver (``span_store``, or ``rows_store`` for the
+    channels_last formulas), the way the kernels call it."""
     a, b, c, d = scalars
     if kind == 0:
         stores.store_affine_per_element(dst, (xs, ws, bs), (a, b, c), prefetch, stream)
     elif kind == 1:
         stores.store_affine_scalar(dst, (xs,), (a, b, c, d), prefetch, stream)
-    elif kind == 2:
-        stores.store_affine_per_channel(dst, (xs, gs, ws, bs), (), prefetch, stream)
+    elif kind == 2:                                                # one row of C = n
+        stores.store_affine_per_channel(dst, (xs,), (gs, ws, bs), dst.shape[0], 0, 1, stream)
     elif kind == 3:                                                # rows: w per element
         stores.store_dx_rows_planes(dst, (gs, xs, ws), (a, c, b, d), prefetch, stream)
     elif kind == 4:                                                # planes: w[c]
         stores.store_dx_rows_planes(dst, (gs, xs), (c, a, b, d, a), prefetch, stream)
     else:
-        stores.store_dx_per_channel(dst, (gs, xs, ws, bs, gs, xs), (), prefetch, stream)
+        stores.store_dx_per_channel(dst, (gs, xs), (ws, bs, gs, xs), dst.shape[0], 0, 1,
+                                    stream)
     if stream:
         stores.fence()
 
@@ -57,7 +59,7 @@ def test_streamed_and_prefetched_spans_match_the_plain_ones(dtype):
                 for stream in (False, True):
                     for prefetch in (x[:0], x[s]):                 # none, the span itself
                         dst = np.zeros(1100, dtype)
-                        _store(kind, dst[s], x[s], g[s], w[s], bb[s], scalars, (prefetch,),
+                        _store(kind, dst[s], x[s], g[s], w[s], bb[s], scalars, (prefetch, g[s]),
                                stream)
                         assert not dst[:lo].any() and not dst[lo + n:].any()
                         out.append(dst.view(np.uint8))
@@ -68,12 +70,22 @@ def test_streamed_and_prefetched_spans_match_the_plain_ones(dtype):
 def test_streamed_stores_reject_other_arrays():
     @njit
     def strided(dst, src):
-        stores.store_affine_scalar(dst[::2], (src,), (0.0, 0.0, 1.0, 0.0), (src[:0],), True)
+        stores.store_affine_scalar(dst[::2], (src,), (0.0, 0.0, 1.0, 0.0), (src[:0], src[:0]),
+                                    True)
 
     @njit
     def mixed(dst, src):
-        stores.store_affine_scalar(dst, (src,), (0.0, 0.0, 1.0, 0.0), (src[:0],), True)
+        stores.store_affine_scalar(dst, (src,), (0.0, 0.0, 1.0, 0.0), (src[:0], src[:0]),
+                                    True)
 
+    @njit
+    def fine(dst, src):
+        stores.store_affine_scalar(dst, (src,), (0.0, 0.0, 1.0, 0.0), (src[:0], src[:0]),
+                                   True)
+
+    dst = np.zeros(4, np.float32)
+    fine(dst, np.arange(4, dtype=np.float32))                      # the same call, typed
+    assert dst.tolist() == [0.0, 1.0, 2.0, 3.0]
     with pytest.raises(errors.TypingError):
         strided(np.zeros(8, np.float32), np.zeros(4, np.float32))
     with pytest.raises(errors.TypingError):

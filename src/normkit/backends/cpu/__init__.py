@@ -20,7 +20,9 @@ of its storage (16-bit floats as integers, ``half``). Statistics are float32 (fl
 float64 inputs), merged across blocks in float64. Each kernel is a serial ``nogil`` loop
 over a range [lo, hi) of independent work items; ``_parallel.launch`` runs one range per
 thread on torch's OpenMP team. Compiled kernels are cached on disk (``cache=True``, in
-``__pycache__`` of this package or ``NUMBA_CACHE_DIR``).
+``__pycache__`` of this package or ``NUMBA_CACHE_DIR``), each keyed to its own source file:
+after editing ``half``, ``stores`` or ``moments``, which the kernels inline, delete the
+cached files.
 """
 
 from __future__ import annotations

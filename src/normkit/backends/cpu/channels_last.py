@@ -98,10 +98,7 @@ def cl_sample_forward(x, y, w, b, eps, c_, groups, blocks, stats, stream, lo, hi
             for c in range(g * cg, (g + 1) * cg):
                 mu[c] = gm
                 scale[c] = rs * w[c]
-        xn, yn = x[n], y[n]
-        for r in range(s_):
-            row = slice(r * c_, (r + 1) * c_)
-            store_affine_per_channel(yn[row], (xn[row], mu, scale, b), (), (xn[:0],), stream)
+        store_affine_per_channel(y[n], (x[n],), (mu, scale, b), c_, 0, s_, stream)
     if stream:
         fence()
 
@@ -114,11 +111,8 @@ def nc_apply(x, y, c_, parts, coefs, stream, lo, hi):
     s_ = x.shape[1] // c_
     for t in range(lo, hi):
         n, s0, s1 = _range(t, parts, s_)
-        xn, yn = x[n], y[n]
-        for r in range(s0, s1):
-            row = slice(r * c_, (r + 1) * c_)
-            store_affine_per_channel(yn[row], (xn[row], mu[n], scale[n], shift[n]), (),
-                                     (xn[:0],), stream)
+        store_affine_per_channel(y[n], (x[n],), (mu[n], scale[n], shift[n]), c_, s0, s1,
+                                 stream)
     if stream:
         fence()
 
@@ -172,11 +166,8 @@ def nc_grad_apply(g, x, dx, c_, parts, coefs, stream, lo, hi):
     s_ = x.shape[1] // c_
     for t in range(lo, hi):
         n, s0, s1 = _range(t, parts, s_)
-        xn, gn, dn = x[n], g[n], dx[n]
-        for r in range(s0, s1):
-            row = slice(r * c_, (r + 1) * c_)
-            store_dx_per_channel(dn[row], (gn[row], xn[row], mu[n], scale_g[n], scale_x[n],
-                                           offset[n]), (), (xn[:0],), stream)
+        store_dx_per_channel(dx[n], (g[n], x[n]), (mu[n], scale_g[n], scale_x[n], offset[n]),
+                             c_, s0, s1, stream)
     if stream:
         fence()
 

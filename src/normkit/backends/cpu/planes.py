@@ -89,7 +89,7 @@ def planes_forward(x, y, w, b, eps, groups, fixed, stats, out, lo, hi):
         for c in range(c0, c0 + cg):                               # unit still in L2
             ahead_plane = _plane_ahead(x, n, c, ahead, n * c_ + c0 + cg, hi * cg - 1)
             store_affine_scalar(y[n, c], (x[n, c],), (x0, mean_x0, rs * w[c], b[c]),
-                                (ahead_plane,), stream)
+                                (ahead_plane, x[0, 0, :0]), stream)
     if stream:
         fence()
 
@@ -159,7 +159,7 @@ def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, lo, hi):
             for c in range(c0, c1):
                 store_affine_scalar(y[n, c], (x[n, c],),
                                     (load(x[0, c], 0), mean_x0[c - c0], rstd[c] * w[c], b[c]),
-                                    (x[0, 0, :0],), stream)
+                                    (x[0, 0, :0], x[0, 0, :0]), stream)
     if stream:
         fence()
 

@@ -55,7 +55,8 @@ def rows_forward(x, y, w, b, eps, center, stats, out, lo, hi):
         mean[r] = x0 + mean_x0
         rstd[r] = rs
         var[r] = v
-        store_affine_per_element(y[r], (xr, w, b), (x0, mean_x0, rs), (ahead_row,), stream)
+        store_affine_per_element(y[r], (xr, w, b), (x0, mean_x0, rs), (ahead_row, xr[:0]),
+                                 stream)
     if stream:
         fence()
 

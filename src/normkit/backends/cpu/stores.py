@@ -3,7 +3,8 @@
 An output of the kernels is ``dst[i] = formula(a_1[i], .., a_n[i], s_1, .., s_m)`` over a
 contiguous span, for arrays ``a`` and scalars ``s``. Each formula is a plain Python
 function of numbers (the five below). ``span_store(formula)`` makes from it the one
-driver every kernel calls, ``store(dst, arrays, scalars, prefetch, stream)``:
+driver the rows and NCHW planes kernels call, ``store(dst, arrays, scalars, prefetch,
+stream)``, in place of a plain loop, a streamed twin and a prefetching walk per formula:
 
 * plain: a loop of ``half.store(dst, i, formula(half.load(a, i).., s..))``, which LLVM
   vectorizes;
@@ -15,10 +16,14 @@ driver every kernel calls, ``store(dst, arrays, scalars, prefetch, stream)``:
   operations in the same order as the plain loop: the same bits;
 * prefetch: for float32/float64 the span is written in pieces of
   ``tuning.PREFETCH_PIECE`` elements, each followed by a prefetch into L2 of the same
-  piece of the arrays in ``prefetch`` (a row or plane ahead; empty arrays: none).
+  piece of the two arrays in ``prefetch`` (rows or planes ahead; empty arrays: none).
 
 Half precision always takes the plain loop over the whole span, unchunked: its pace is
 the conversion in registers, chunking cost it, and it compiles nothing more.
+
+The channels_last formulas (per-channel coefficients, rows of C elements) go through
+``rows_store(formula)`` instead, the same plain and streamed code walked a row at a time
+over a whole range of rows in one call.
 
 A kernel that streamed anything calls ``fence()`` before it returns: non-temporal stores
 are weakly ordered.
@@ -35,7 +40,7 @@ from normkit.backends.cpu.half import is_half, load, store
 from normkit.backends.cpu.tuning import PREFETCH_PIECE
 
 __all__ = ["affine_per_channel", "affine_per_element", "affine_scalar", "dx_per_channel",
-           "dx_rows_planes", "fence", "prefetch", "span_store"]
+           "dx_rows_planes", "fence", "prefetch", "rows_store", "span_store"]
 
 
 # ---- the output formulas ----------------------------------------------------------------
@@ -202,7 +207,7 @@ def prefetch(typingctx, a, i):
     return nbt.none(a, i), codegen
 
 
-@register_jitable
+@register_jitable(inline="always")
 def _prefetch_lines(a, i0, i1):
     """``prefetch`` the cache lines of a[i0:i1] (clipped to a)."""
     for i in range(i0, min(i1, a.shape[0]), max(1, 64 // a.itemsize)):
@@ -210,6 +215,11 @@ def _prefetch_lines(a, i0, i1):
 
 
 # ---- tuples of arrays, element by element -----------------------------------------------
+
+# The drivers and the helpers below are inlined into the kernel (numba IR inlining): each
+# array passed to a call costs a reference-count increment and decrement (atomic
+# operations), which the kernels would otherwise pay per row of C or per piece. The plain
+# loop itself is the exception: LLVM vectorizes it only when it is compiled on its own.
 
 def _load_each(arrays, i):
     """``(load(a, i) for a in arrays)`` as a tuple."""
@@ -219,52 +229,89 @@ def _slice_each(arrays, i0, i1):
     """``(a[i0:i1] for a in arrays)`` as a tuple."""
 
 
-@overload(_load_each)
+# Written out per length (the formulas take one to six arrays): a recursion over
+# arrays[1:] would build a tuple of arrays per element or piece.
+_LOADS = {
+    1: lambda arrays, i: (load(arrays[0], i),),
+    2: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i)),
+    3: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i), load(arrays[2], i)),
+    4: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i), load(arrays[2], i),
+                          load(arrays[3], i)),
+    6: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i), load(arrays[2], i),
+                          load(arrays[3], i), load(arrays[4], i), load(arrays[5], i)),
+}
+_SLICES = {
+    1: lambda arrays, i0, i1: (arrays[0][i0:i1],),
+    2: lambda arrays, i0, i1: (arrays[0][i0:i1], arrays[1][i0:i1]),
+    3: lambda arrays, i0, i1: (arrays[0][i0:i1], arrays[1][i0:i1], arrays[2][i0:i1]),
+}
+
+
+def _apply(formula):
+    """``formula`` of one tuple of its arguments, ``apply(t) = formula(*t)`` written out
+    for its number of arguments, both inlined: a call per element that numba does not
+    inline keeps LLVM from vectorizing the loop (and numba inlines no ``*args`` call)."""
+    f = register_jitable(inline="always")(formula)
+    calls = {
+        4: lambda t: f(t[0], t[1], t[2], t[3]),
+        5: lambda t: f(t[0], t[1], t[2], t[3], t[4]),
+        6: lambda t: f(t[0], t[1], t[2], t[3], t[4], t[5]),
+        7: lambda t: f(t[0], t[1], t[2], t[3], t[4], t[5], t[6]),
+    }
+    return register_jitable(inline="always")(calls[formula.__code__.co_argcount])
+
+
+@overload(_load_each, inline="always")
 def _load_each_impl(arrays, i):
-    if len(arrays) == 0:
-        return lambda arrays, i: ()
-    return lambda arrays, i: (load(arrays[0], i),) + _load_each(arrays[1:], i)
+    return _LOADS.get(len(arrays))
 
 
-@overload(_slice_each)
+@overload(_slice_each, inline="always")
 def _slice_each_impl(arrays, i0, i1):
-    if len(arrays) == 0:
-        return lambda arrays, i0, i1: ()
-    return lambda arrays, i0, i1: (arrays[0][i0:i1],) + _slice_each(arrays[1:], i0, i1)
+    return _SLICES.get(len(arrays))
 
 
-# ---- the one driver ---------------------------------------------------------------------
+# ---- the drivers ---------------------------------------------------------------------
 
 def span_store(formula):
     """The driver ``store(dst, arrays, scalars, prefetch, stream)`` of ``formula`` (a
-    jitable function): ``dst[i] = formula(*arrays[i], *scalars)`` over a span, streamed
-    when ``stream``, with the lines of each array of the tuple ``prefetch`` fetched piece
-    by piece meanwhile (see the module docstring)."""
-    register_jitable(formula)
+    jitable function): ``dst[i] = formula(*arrays[i], *scalars)`` over a span (one to
+    three arrays), streamed when ``stream``, with the lines of the two arrays of
+    ``prefetch`` (the x and g ahead; an empty array: none) fetched piece by piece
+    meanwhile (see the module docstring)."""
+    apply = _apply(formula)
     streamed = _streamed(formula)
 
-    @register_jitable
-    def plain(dst, arrays, scalars):
+    def plain_loop(dst, arrays, scalars):
         for i in range(dst.shape[0]):
-            store(dst, i, formula(*(_load_each(arrays, i) + scalars)))
+            store(dst, i, apply(_load_each(arrays, i) + scalars))
+
+    # compiled on its own, not inlined into the driver: LLVM vectorizes the loop only there
+    plain = register_jitable(plain_loop)
 
     def driver(dst, arrays, scalars, prefetch, stream):
         """``formula`` stored over dst."""
 
-    @overload(driver)
+    @overload(driver, inline="always")
     def _driver_impl(dst, arrays, scalars, prefetch, stream):
-        if is_half(dst):
+        if is_half(dst):                                           # plain, whole span
             return lambda dst, arrays, scalars, prefetch, stream: plain(dst, arrays, scalars)
 
         def pieces(dst, arrays, scalars, prefetch, stream):
-            for i0 in range(0, dst.shape[0], PREFETCH_PIECE):
-                i1 = min(dst.shape[0], i0 + PREFETCH_PIECE)
-                if stream:
+            n = dst.shape[0]
+            ahead_a, ahead_b = prefetch                            # once, not per piece
+            if stream:
+                for i0 in range(0, n, PREFETCH_PIECE):
+                    i1 = min(n, i0 + PREFETCH_PIECE)
                     streamed(dst[i0:i1], _slice_each(arrays, i0, i1), scalars)
-                else:
+                    _prefetch_lines(ahead_a, i0, i1)
+                    _prefetch_lines(ahead_b, i0, i1)
+            else:
+                for i0 in range(0, n, PREFETCH_PIECE):
+                    i1 = min(n, i0 + PREFETCH_PIECE)
                     plain(dst[i0:i1], _slice_each(arrays, i0, i1), scalars)
-                for a in prefetch:
-                    _prefetch_lines(a, i0, i1)
+                    _prefetch_lines(ahead_a, i0, i1)
+                    _prefetch_lines(ahead_b, i0, i1)
         return pieces
 
     driver.__name__ = driver.__qualname__ = f"store_{formula.__name__}"
@@ -272,8 +319,48 @@ def span_store(formula):
     return driver
 
 
+def rows_store(formula):
+    """The driver ``store(dst, row_arrays, channel_arrays, c_, r0, r1, stream)`` of a
+    per-channel ``formula`` over the rows [r0, r1) of C elements of one channels_last
+    sample: ``dst[r*C + c] = formula(*row_arrays[r*C + c], *channel_arrays[c])``, a row
+    at a time, streamed when ``stream``. One call walks a whole range of rows: a call per
+    row of C elements would cost more than the row (see ``span_store``)."""
+    apply = _apply(formula)
+    streamed = _streamed(formula)
+
+    @register_jitable
+    def plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1):
+        for r in range(r0, r1):
+            d = dst[r * c_:(r + 1) * c_]                               # C
+            arrays = _slice_each(row_arrays, r * c_, (r + 1) * c_) + channel_arrays
+            for c in range(c_):
+                store(d, c, apply(_load_each(arrays, c)))
+
+    def driver(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
+        """``formula`` stored over rows."""
+
+    @overload(driver)
+    def _driver_impl(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
+        if is_half(dst):
+            def half_rows(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
+                plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1)
+            return half_rows
+
+        def each_row(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
+            if not stream:
+                plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1)
+                return
+            for r in range(r0, r1):
+                streamed(dst[r * c_:(r + 1) * c_],
+                         _slice_each(row_arrays, r * c_, (r + 1) * c_) + channel_arrays, ())
+        return each_row
+
+    driver.__name__ = driver.__qualname__ = f"store_rows_{formula.__name__}"
+    return driver
+
+
 store_affine_per_element = span_store(affine_per_element)
 store_affine_scalar = span_store(affine_scalar)
-store_affine_per_channel = span_store(affine_per_channel)
 store_dx_rows_planes = span_store(dx_rows_planes)
-store_dx_per_channel = span_store(dx_per_channel)
+store_affine_per_channel = rows_store(affine_per_channel)
+store_dx_per_channel = rows_store(dx_per_channel)
