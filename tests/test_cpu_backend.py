@@ -49,3 +49,27 @@ def test_functional_runs_the_numba_kernels(monkeypatch):
     monkeypatch.setattr(rows, "rows_forward", spy)
     NF.layer_norm(torch.randn(3, 7), [7])
     assert calls
+
+
+def test_cached_kernels_are_dropped_when_a_source_changes(tmp_path):
+    """numba keys a cached kernel to its own file only; the package's digest of all its
+    sources decides whether the cached kernels may be loaded."""
+    from normkit.backends.cpu import _cache
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "stores.py").write_text("A = 1\n")
+    (src / "rows.py").write_text("B = 2\n")
+    cache = tmp_path / "cache"
+    digest = _cache.sources_digest(src.glob("*.py"))
+    assert _cache.drop_stale(cache, digest) == 0           # nothing cached yet: stamp written
+    for name in ("rows.rows_forward-40.py311.nbi", "rows.rows_forward-40.py311.1.nbc"):
+        (cache / name).write_bytes(b"compiled")
+    assert _cache.drop_stale(cache, digest) == 0           # same sources: kept
+    assert len(list(cache.glob("*.nb?"))) == 2
+    (src / "stores.py").write_text("A = 3\n")              # a file the kernels inline
+    changed = _cache.sources_digest(src.glob("*.py"))
+    assert changed != digest
+    assert _cache.drop_stale(cache, changed) == 2          # stale: removed
+    assert not list(cache.glob("*.nb?"))
+    assert _cache.drop_stale(cache, changed) == 0

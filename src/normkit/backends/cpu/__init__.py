@@ -20,9 +20,8 @@ of its storage (16-bit floats as integers, ``half``). Statistics are float32 (fl
 float64 inputs), merged across blocks in float64. Each kernel is a serial ``nogil`` loop
 over a range [lo, hi) of independent work items; ``_parallel.launch`` runs one range per
 thread on torch's OpenMP team. Compiled kernels are cached on disk (``cache=True``, in
-``__pycache__`` of this package or ``NUMBA_CACHE_DIR``), each keyed to its own source file:
-after editing ``half``, ``stores`` or ``moments``, which the kernels inline, delete the
-cached files.
+``__pycache__`` of this package or ``NUMBA_CACHE_DIR``); numba keys each to its own source
+file, so ``_cache`` drops them all when any source of the package changed.
 """
 
 from __future__ import annotations
@@ -32,9 +31,13 @@ import torch
 
 from normkit.backends._memory import empty_like
 from normkit.backends._parallel import launch
-from normkit.backends.cpu import channels_last as cl
-from normkit.backends.cpu import planes, rows, tuning
-from normkit.backends.torch_ops import stat_dtype
+from normkit.backends.cpu import _cache
+
+_cache.check_package_cache()    # before any kernel is loaded from the cache
+
+from normkit.backends.cpu import channels_last as cl  # noqa: E402
+from normkit.backends.cpu import planes, rows, tuning  # noqa: E402
+from normkit.backends.torch_ops import stat_dtype  # noqa: E402
 
 __all__ = ["backward", "forward", "supports"]
 
