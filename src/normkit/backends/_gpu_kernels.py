@@ -140,6 +140,17 @@ def _xhat(S, W, B, offs, mask, mean, rstd, FROM_Y: tl.constexpr, HAS_W: tl.const
 
 
 @triton.jit
+def _dxhat_xhat(G, S, W, B, offs, mask, mean, rstd, FROM_Y: tl.constexpr, HAS_W: tl.constexpr,
+                HAS_B: tl.constexpr):
+    """One block of a row (G, S point at the row): ``dxhat = g * w`` and ``xhat``."""
+    xh = _xhat(S, W, B, offs, mask, mean, rstd, FROM_Y, HAS_W, HAS_B)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_W:
+        g = g * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    return g, xh
+
+
+@triton.jit
 def _rows_bwd_kernel(G, S, GH, W, B, Mean, Rstd, DX, DWp, DBp, M, K, rows_per_prog,
                      stride_g, stride_s, stride_gh, stride_dx,
                      HAS_GH: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -196,11 +207,8 @@ def _rows_bwd_kernel(G, S, GH, W, B, Mean, Rstd, DX, DWp, DBp, M, K, rows_per_pr
             for k0 in range(0, K, BLOCK):
                 offs = k0 + cols
                 mask = offs < K
-                g = tl.load(G + r * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-                xh = _xhat(S + r * stride_s, W, B, offs, mask, mean, rstd, FROM_Y, HAS_W,
-                           HAS_B)
-                if HAS_W:
-                    g = g * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+                g, xh = _dxhat_xhat(G + r * stride_g, S + r * stride_s, W, B, offs, mask,
+                                    mean, rstd, FROM_Y, HAS_W, HAS_B)
                 c_var += tl.sum(g * xh, axis=0)
                 c_mean += tl.sum(g, axis=0)
             c_var = c_var / K
@@ -211,11 +219,8 @@ def _rows_bwd_kernel(G, S, GH, W, B, Mean, Rstd, DX, DWp, DBp, M, K, rows_per_pr
             for k0 in range(0, K, BLOCK):                          # the row again, from L2
                 offs = k0 + cols
                 mask = offs < K
-                g = tl.load(G + r * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-                xh = _xhat(S + r * stride_s, W, B, offs, mask, mean, rstd, FROM_Y, HAS_W,
-                           HAS_B)
-                if HAS_W:
-                    g = g * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+                g, xh = _dxhat_xhat(G + r * stride_g, S + r * stride_s, W, B, offs, mask,
+                                    mean, rstd, FROM_Y, HAS_W, HAS_B)
                 dx = (g - c_mean - xh * c_var) * rstd
                 if HAS_GH:
                     dx = dx + tl.load(GH + r * stride_gh + offs, mask=mask,
