@@ -69,17 +69,23 @@ def _batch_axis(ax, batch_sizes):
     ax.grid(alpha=0.3)
 
 
+def _per_method(ax, summary, protocol, bs, key, scale):
+    """One errorbar line per method of ``key`` (mean ± std over seeds, times ``scale``)
+    against batch size, on the batch-size axis."""
+    for m in protocol["methods"]:
+        x, mean, std = _series(summary, m, bs, key)
+        color, ls = STYLE.get(m, ("black", "-"))
+        ax.errorbar(x, scale * mean, yerr=scale * std, color=color, ls=ls, marker="o", ms=4,
+                    capsize=3, label=NAMES.get(m, m))
+    _batch_axis(ax, bs)
+
+
 def plot_batch_size(summary, protocol, path):
     """Test error against batch size per method (mean ± std over seeds), the paper's figure."""
     plt = _plt()
     bs = sorted(protocol["batch_sizes"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m in protocol["methods"]:
-        x, mean, std = _series(summary, m, bs, "test_error")
-        color, ls = STYLE.get(m, ("black", "-"))
-        ax.errorbar(x, 100 * mean, yerr=100 * std, color=color, ls=ls, marker="o", ms=4, capsize=3,
-                    label=NAMES.get(m, m))
-    _batch_axis(ax, bs)
+    _per_method(ax, summary, protocol, bs, "test_error", 100)
     ax.set_yscale("log")  # methods at 1 % and at 40 % on one readable axis
     ax.yaxis.set_major_formatter(matplotlib_ticker().FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_ylabel("test error (%), eval mode, log scale")
@@ -158,11 +164,7 @@ def plot_train_loss(summary, protocol, path):
     plt = _plt()
     bs = sorted(protocol["batch_sizes"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m in protocol["methods"]:
-        x, mean, std = _series(summary, m, bs, "final_train_loss")
-        color, ls = STYLE.get(m, ("black", "-"))
-        ax.errorbar(x, mean, yerr=std, color=color, ls=ls, marker="o", ms=4, capsize=3, label=NAMES.get(m, m))
-    _batch_axis(ax, bs)
+    _per_method(ax, summary, protocol, bs, "final_train_loss", 1)
     ax.set_yscale("log")
     ax.set_ylabel("final training loss (last window)")
     ax.set_title("Training loss at the end of the budget vs batch size", fontsize=10)
