@@ -7,12 +7,19 @@ compute their mean and biased variance, standardize, then scale and shift::
 
 The methods differ only in the group (see ``normkit.grouping``). ``import normkit`` needs
 only NumPy; the torch-facing parts (``normkit.functional``, ``normkit.nn``,
-``normkit.convert``) import torch when first used.
+``normkit.convert``) import torch when first used. When torch is already imported,
+``import normkit`` also registers the operators ``torch.ops.normkit.*`` (``normkit.ops``),
+so that a program saved by ``torch.export.save`` loads; otherwise ``import normkit.ops``.
 """
 
 from __future__ import annotations
 
+import sys as _sys
+
 __version__ = "0.1.0"
+
+if "torch" in _sys.modules:
+    from normkit import ops as _ops  # noqa: F401  (registers torch.ops.normkit.*)
 
 __all__ = ["__version__", "convert", "revert", "stats"]
 
@@ -23,7 +30,7 @@ def __getattr__(name):
         from normkit import conversion as _convert_module
 
         return getattr(_convert_module, name)
-    if name in ("functional", "nn", "reference", "stats", "grouping", "preprocessing", "backends", "conversion"):
+    if name in ("functional", "nn", "reference", "stats", "grouping", "preprocessing", "backends", "conversion", "ops"):
         import importlib
 
         return importlib.import_module(f"normkit.{name}")
