@@ -51,7 +51,7 @@ from normkit import grouping as G
 from normkit.backends import torch_ops
 
 __all__ = ["norm_forward", "norm_backward", "grouping_args", "decompositions", "tracing",
-           "decomposing"]
+           "decomposing", "compile_decomposed", "NormFunction"]
 
 _lib = torch.library.Library("normkit", "DEF")
 
@@ -255,6 +255,16 @@ def norm_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, nee
 # ---------------------------------------------------------------------------- when to decompose
 
 _compile_decomposed = True
+
+
+def compile_decomposed(enabled: bool = True) -> None:
+    """Choose what ``torch.compile`` sees of a normkit norm: its plain torch ops (``True``,
+    the default: the compiler fuses them with their neighbours) or the opaque operator
+    ``torch.ops.normkit.norm_forward`` (``False``: normkit's kernels and hand-derived
+    backward run inside the compiled graph). Takes effect at the next compilation; eager
+    mode and ``torch.export`` always use the operator."""
+    global _compile_decomposed
+    _compile_decomposed = bool(enabled)
 
 
 def tracing() -> bool:
