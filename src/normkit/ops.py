@@ -185,9 +185,13 @@ class NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, kind, view, reduce, param_view, eps, center, mean, rstd):
-        with torch._C._AutoDispatchBelowAutograd():
-            y, mean_out, rstd_out, var = _forward_op(x, weight, bias, kind, view, reduce,
-                                                     param_view, eps, center, mean, rstd)
+        if plain_eager(x):
+            y, mean_out, rstd_out, var = _forward_impl(x, weight, bias, kind, view, reduce,
+                                                       param_view, eps, center, mean, rstd)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                y, mean_out, rstd_out, var = _forward_op(x, weight, bias, kind, view, reduce,
+                                                         param_view, eps, center, mean, rstd)
         fixed = mean is not None
         ctx.save_for_backward(x, weight, mean if fixed else mean_out,
                               rstd if fixed else rstd_out)
@@ -201,8 +205,10 @@ class NormFunction(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         kind, view, reduce, param_view, eps, center, fixed = ctx.args
         needs = [bool(n) for n in ctx.needs_input_grad[:3]]
-        dx, dw, db = _backward_op(grad_y, x, mean, rstd, weight, kind, view, reduce,
-                                  param_view, eps, center, fixed, needs)
+        run = (_backward_impl if not torch.is_grad_enabled() and plain_eager(grad_y)
+               else _backward_op)
+        dx, dw, db = run(grad_y, x, mean, rstd, weight, kind, view, reduce, param_view, eps,
+                         center, fixed, needs)
         grouping = _grouping(kind, view, reduce, param_view)
         dw = _to_param(dw, weight.shape, weight.dtype, grouping) if needs[1] else None
         db = _to_param(db, *ctx.bias_meta, grouping) if needs[2] else None
@@ -239,11 +245,27 @@ torch.library.register_fake("normkit::norm_forward", _forward_fake, lib=_lib)
 torch.library.register_fake("normkit::norm_backward", _backward_fake, lib=_lib)
 
 
+def plain_eager(x) -> bool:
+    """Whether nothing traces or intercepts this call: a plain tensor and no dispatch
+    mode (fake tensors, functionalization, make_fx, torch.compile all fail this)."""
+    return (type(x) is torch.Tensor and not torch._C._len_torch_dispatch_stack()
+            and not torch.compiler.is_compiling())
+
+
 def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mean=None,
                  rstd=None):
     """``torch.ops.normkit.norm_forward`` over ``grouping``; ``x`` already viewed as
-    ``grouping.view``. Returns ``(y, mean, rstd, var)``."""
-    return _forward_op(x, weight, bias, *grouping_args(grouping), eps, center, mean, rstd)
+    ``grouping.view``. Returns ``(y, mean, rstd, var)``.
+
+    In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
+    and runs what they would run: ``NormFunction`` when an input requires a gradient,
+    the kernel otherwise. Traced, it is the operator call."""
+    args = grouping_args(grouping)
+    if plain_eager(x):
+        if _needs_grad(x, weight, bias):
+            return NormFunction.apply(x, weight, bias, *args, eps, center, mean, rstd)
+        return _forward_impl(x, weight, bias, *args, eps, center, mean, rstd)
+    return _forward_op(x, weight, bias, *args, eps, center, mean, rstd)
 
 
 def norm_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs):
