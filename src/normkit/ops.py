@@ -248,8 +248,9 @@ torch.library.register_fake("normkit::norm_backward", _backward_fake, lib=_lib)
 def plain_eager(x) -> bool:
     """Whether nothing traces or intercepts this call: a plain tensor and no dispatch
     mode (fake tensors, functionalization, make_fx, torch.compile all fail this)."""
-    return (type(x) is torch.Tensor and not torch._C._len_torch_dispatch_stack()
-            and not torch.compiler.is_compiling())
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace the checks below
+        return False
+    return type(x) is torch.Tensor and not torch._C._len_torch_dispatch_stack()
 
 
 def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mean=None,
