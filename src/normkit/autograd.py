@@ -1,14 +1,16 @@
-r"""The autograd Functions: one for every normalization, one for the residual-add norms.
+r"""The autograd of the normalizations: ``apply_norm`` (every method), and the
+residual-add norms.
 
-``NormFunction`` runs the backend chosen by ``normkit.backends.select`` and saves only the
-input, the fp32 (fp64 for fp64 inputs) ``mean`` and ``rstd``, and the weight. Its backward
-is the hand-derived gradient (see ``normkit.reference``), never autograd through the
-forward.
+``apply_norm`` calls the registered operator ``torch.ops.normkit.norm_forward`` (see
+``normkit.ops``), whose autograd is ``NormFunction``: it saves only the input, the fp32
+(fp64 for fp64 inputs) ``mean`` and ``rstd``, and the weight, and its backward is the
+hand-derived gradient (see ``normkit.reference``), never autograd through the forward.
 
 Double backward: when the backward itself is differentiated (``create_graph=True``),
-it runs the composite torch-op path (``normkit.backends.torch_ops``) with the statistics
-recomputed from the saved input by differentiable ops, so autograd differentiates the
-hand-derived formula, including its dependence on ``x`` through ``mean`` and ``rstd``.
+``norm_backward`` runs the composite torch-op path (``normkit.backends.torch_ops``) with
+the statistics recomputed from the saved input by differentiable ops, so autograd
+differentiates the hand-derived formula, including its dependence on ``x`` through
+``mean`` and ``rstd``.
 
 ``AddNormFunction`` (residual add fused with LayerNorm / RMSNorm: ``h = x + residual``,
 ``y = norm(h)``; the pre-norm transformer block computes both, and fused, the sum is
@@ -28,8 +30,9 @@ Paths:
   way, the ``+ g_h`` folded into the backward kernel;
 * otherwise ``h = x + residual`` then the dispatched norm (the numba or composite
   backend), with the same saved tensors and backward -- this is what runs on CPU;
-* no memory saving and no fused backend: ``add_*`` do not use this Function at all but
-  ``x + residual`` and ``normkit.functional``'s op, which also supports double backward.
+* no memory saving and no fused backend, or traced by torch.compile / torch.export:
+  ``add_*`` do not use this Function at all but ``x + residual`` and
+  ``normkit.functional``'s op, which also supports double backward.
 
 Memory-saving backward (opt-in, ``normkit.backends.memory_saving``): save the output
 ``y`` instead of ``h`` and recompute ``xhat = (y - b) / w``. It needs every weight element
@@ -42,84 +45,33 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from normkit import backends
+from normkit import backends, ops
 from normkit import grouping as G
 from normkit.backends import torch_ops
+from normkit.ops import NormFunction
 
 __all__ = ["NormFunction", "AddNormFunction", "apply_norm", "add_norm", "view_as"]
 
 
 def view_as(t, shape):
     """``t`` in ``shape``: a view for contiguous and channels_last tensors, a copy only for
-    exotic strides."""
-    try:
-        return t.view(shape)
-    except RuntimeError:
-        return t.reshape(shape)
-
-
-def _to_param(grad, shape, dtype, grouping):
-    """Bring a backend's parameter gradient to the parameter's shape and dtype."""
-    if grad is None:
-        return None
-    if grouping.param_view is None:
-        grad = grad.sum_to_size(shape)
-    return grad.reshape(shape).to(dtype)
-
-
-class NormFunction(torch.autograd.Function):
-    """``y = weight * (x - mean) * rstd + bias`` over the groups of a ``Grouping``.
-
-    Returns ``(y, mean, var)``; ``mean`` and ``var`` (biased) are the batch statistics,
-    non-differentiable, for running-statistic updates (empty when ``fixed_mean`` and
-    ``fixed_rstd`` supply the statistics).
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, grouping, eps, center, fixed_mean, fixed_rstd):
-        # x arrives already viewed as grouping.view; y leaves in that shape (not a view of
-        # anything, so that callers may modify it in place)
-        fixed = fixed_mean is not None
-        backend = backends.select(x, grouping, center, fixed)
-        y, mean, rstd, var = backend.forward(x, grouping, weight, bias, eps, center,
-                                             fixed_mean, fixed_rstd)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.grouping, ctx.eps, ctx.center, ctx.fixed = grouping, eps, center, fixed
-        ctx.backend = backend
-        ctx.bias_meta = (bias.shape, bias.dtype) if bias is not None else None
-        if fixed:
-            mean = var = x.new_empty(0)
-        ctx.mark_non_differentiable(mean, var)
-        return y, mean, var
-
-    @staticmethod
-    def backward(ctx, grad_y, _grad_mean, _grad_var):
-        x, weight, mean, rstd = ctx.saved_tensors
-        grouping = ctx.grouping
-        needs = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled():
-            # double backward: differentiable composite path, statistics recomputed from x
-            if not ctx.fixed:
-                xs = x.to(torch_ops.stat_dtype(x.dtype))
-                mean, _, rstd = torch_ops.compute_stats(xs, grouping, ctx.eps, ctx.center)
-            dx, dw, db = torch_ops.backward(grad_y, x, mean, rstd, weight, grouping,
-                                            ctx.center, ctx.fixed, needs)
-        else:
-            dx, dw, db = ctx.backend.backward(grad_y, x, mean, rstd, weight, grouping,
-                                              ctx.center, ctx.fixed, needs)
-        if weight is not None:
-            dw = _to_param(dw, weight.shape, weight.dtype, grouping)
-        if ctx.bias_meta is not None:
-            db = _to_param(db, *ctx.bias_meta, grouping)
-        return dx, dw, db, None, None, None, None, None
+    strides no view can express (a transposed activation)."""
+    return t.reshape(shape)
 
 
 def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
                fixed_mean=None, fixed_rstd=None):
-    """Apply ``NormFunction`` to ``x`` seen through ``grouping.view``; returns
-    ``(y, mean, var)`` with ``y`` in ``x``'s shape (and memory layout)."""
-    y, mean, var = NormFunction.apply(view_as(x, grouping.view), weight, bias, grouping, eps,
-                                      center, fixed_mean, fixed_rstd)
+    """Run ``torch.ops.normkit.norm_forward`` on ``x`` seen through ``grouping.view`` (the
+    composite torch ops where ``normkit.ops.decomposing()``); returns ``(y, mean, var)``
+    with ``y`` in ``x``'s shape (and memory layout). ``y`` is never a view of ``x``, so
+    callers may modify it in place."""
+    xv = view_as(x, grouping.view)
+    if ops.decomposing():
+        y, mean, _, var = torch_ops.forward(xv, grouping, weight, bias, eps, center,
+                                            fixed_mean, fixed_rstd)
+    else:
+        y, mean, _, var = ops.norm_forward(xv, grouping, weight, bias, eps, center,
+                                           fixed_mean, fixed_rstd)
     return view_as(y, x.shape), mean, var
 
 
@@ -185,7 +137,8 @@ def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_sav
     xv = x.reshape(grouping.view)                                  # M, K
     rv = residual.reshape(grouping.view)
     backend = backends.select(xv, grouping, center)
-    if not memory_saving and not hasattr(backend, "fused_add_forward"):
+    if ops.tracing() or (not memory_saving and not hasattr(backend, "fused_add_forward")):
+        # traced (compile, export, ONNX): the registered norm after a plain add
         h = x + residual
         return apply_norm(h, grouping, weight, bias, eps, center)[0], h
     w = None if weight is None else weight.reshape(-1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from normkit import grouping as G
+from normkit import ops
 from normkit.autograd import add_norm, apply_norm
 from normkit.backends.torch_ops import stat_dtype
 from normkit.rms_casting import check_casting, normalize_dtype, scale_and_cast
@@ -44,9 +45,9 @@ def _check_channels(input, **params):
 
 def update_running(running, value, momentum):
     """``running = (1 - momentum) * running + momentum * value`` in place, in the buffer's
-    dtype (no autograd)."""
-    with torch.no_grad():
-        running.mul_(1.0 - momentum).add_(value.to(running.dtype), alpha=momentum)
+    dtype (no autograd: ``value`` detached rather than a ``no_grad`` block, which
+    ``torch.export`` cannot keep in a training graph)."""
+    running.mul_(1.0 - momentum).add_(value.detach().to(running.dtype), alpha=momentum)
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
@@ -313,12 +314,12 @@ def batch_renorm(input, running_mean, running_var, weight=None, bias=None, train
             f"Expected more than 1 value per channel when training, got input size "
             f"{input.size()}; use a larger batch or eval mode")
     sdtype = stat_dtype(input.dtype)
-    with torch.no_grad():                                          # r, d: stop-gradient
-        xs = input.to(sdtype).reshape(grouping.view)               # N, C, S
-        var_b, mean_b = torch.var_mean(xs, dim=grouping.reduce, correction=0)   # C
-        sigma = torch.sqrt(running_var.to(sdtype) + eps)                        # C
-        r = (torch.sqrt(var_b + eps) / sigma).clamp(1.0 / r_max, r_max)         # C
-        d = ((mean_b - running_mean.to(sdtype)) / sigma).clamp(-d_max, d_max)   # C
+    # r, d: stop-gradient (detached inputs, not a no_grad block: torch.export keeps this)
+    xs = input.detach().to(sdtype).reshape(grouping.view)                      # N, C, S
+    var_b, mean_b = torch.var_mean(xs, dim=grouping.reduce, correction=0)      # C
+    sigma = torch.sqrt(running_var.detach().to(sdtype) + eps)                  # C
+    r = (torch.sqrt(var_b + eps) / sigma).clamp(1.0 / r_max, r_max)            # C
+    d = ((mean_b - running_mean.detach().to(sdtype)) / sigma).clamp(-d_max, d_max)  # C
     w_eff = r if weight is None else weight.to(sdtype) * r         # gamma * r
     b_eff = d if weight is None else weight.to(sdtype) * d         # gamma * d
     if bias is not None:
@@ -396,3 +397,7 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, memory
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     return add_norm(x, residual, len(shape), weight, None, eps, False, memory_saving)
+
+
+# every op above is also torch.ops.normkit.NAME (see normkit.ops)
+ops.register_public({name: globals()[name] for name in ops.PUBLIC})

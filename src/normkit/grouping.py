@@ -57,19 +57,19 @@ class Grouping:
     @property
     def group_size(self) -> int:
         """Number of elements that share one statistic."""
-        return math.prod(self.view[d] for d in self.reduce)
+        return math.prod([self.view[d] for d in self.reduce])  # a list: torch.compile traces it
 
     @property
     def stat_shape(self) -> tuple:
         """Shape of the statistics (the view with the reduced dims kept as 1)."""
-        return tuple(1 if d in self.reduce else s for d, s in enumerate(self.view))
+        return tuple([1 if d in self.reduce else s for d, s in enumerate(self.view)])
 
     @property
     def param_reduce(self) -> tuple:
         """Dims of the view to sum over for the weight and bias gradients."""
         if self.param_view is None:
             return tuple(range(len(self.view)))
-        return tuple(d for d, s in enumerate(self.param_view) if s == 1 and self.view[d] != 1)
+        return tuple([d for d, s in enumerate(self.param_view) if s == 1 and self.view[d] != 1])
 
 
 def _spatial(shape) -> int:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from normkit import functional as F
+from normkit import ops
 from normkit.nn._sync import sync_batch_norm
 from normkit.nn.batch_renorm import _BatchRenorm
 from normkit.nn.batchnorm import _BatchNorm
@@ -108,6 +109,12 @@ class SyncBatchNorm(_BatchNorm):
         if sync is None:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 use_batch_stats, factor, self.eps)
+        if ops.tracing():
+            raise ValueError(
+                f"{type(self).__name__} cannot be traced by torch.compile / torch.export while "
+                f"it synchronizes {sync[1]} ranks (its collectives run outside the graph); "
+                f"compile or export the model in eval mode, or before "
+                f"init_process_group, where it is plain BatchNorm")
         group, world_size = sync
         return sync_batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                factor, self.eps, group, world_size)

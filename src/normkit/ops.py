@@ -1,0 +1,373 @@
+r"""normkit's operators in the PyTorch dispatcher: ``torch.ops.normkit.*``.
+
+Two core operators carry every normalization, over the *view* of the input that a
+``normkit.grouping.Grouping`` describes (passed as ``kind, view, reduce, param_view``):
+
+``norm_forward(x, weight, bias, kind, view, reduce, param_view, eps, center, mean, rstd)``
+    ``-> (y, mean, rstd, var)``:
+
+    .. math:: y = \gamma \cdot (x - \mu)\, \mathrm{rstd} + \beta, \qquad
+              \mathrm{rstd} = 1 / \sqrt{\sigma^2 + \epsilon}
+
+    with :math:`\mu` and the biased :math:`\sigma^2` per group (fp32 statistics, fp64 for
+    fp64 inputs), or the given ``mean`` / ``rstd`` (fixed statistics: eval BatchNorm);
+    then the three statistic outputs are empty.
+``norm_backward(grad, x, mean, rstd, weight, kind, view, reduce, param_view, eps,
+center, fixed, needs)``
+    ``-> (dx, dweight, dbias)``, the hand-derived gradient
+    ``dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w * xhat))`` of ``normkit.reference``;
+    an output not asked for in ``needs`` is an empty tensor.
+
+Kernels: ``CompositeExplicitAutograd`` runs the backend ``normkit.backends.select``
+picks (numba on CPU, Triton on CUDA, the composite torch ops elsewhere); the fake
+(meta) kernels give the same shapes, dtypes and strides (``y`` and ``dx`` laid out as
+``torch.empty_like(x)``: a dense input -- channels_last included -- keeps its strides).
+
+Autograd, at the ``Autograd`` key, in Python: when no input requires a gradient the
+forward goes straight below autograd (no ``autograd.Function``); otherwise
+``normkit.autograd.NormFunction`` records ``norm_backward``. ``norm_backward`` is itself
+differentiable: when its inputs require a gradient (double backward, ``create_graph``)
+it evaluates the same formula with differentiable torch ops and statistics recomputed
+from ``x``, so autograd differentiates the hand-derived backward. In plain eager mode
+(no tracing, no dispatch mode, a plain tensor) ``norm_forward`` here runs what those
+kernels would run without the two Python round trips through the dispatcher.
+
+The public operators, one per ``normkit.functional`` op with its signature
+(``layer_norm``, ``rms_norm``, ``group_norm``, ``instance_norm``, ``batch_norm``,
+``batch_renorm``, ``normalize``, ``add_layer_norm``, ``add_rms_norm``), are
+``CompositeImplicitAutograd``: they validate, view, call ``norm_forward`` and update the
+running statistics in place -- declared in their schemas as mutations (``Tensor(a!)``)
+of ``running_mean`` / ``running_var``. A traced graph therefore shows ``norm_forward``,
+``norm_backward`` and the in-place buffer updates.
+
+``decompositions()`` gives the core operators as plain aten ops (the composite backend),
+for ``ExportedProgram.run_decompositions``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from normkit import backends
+from normkit import grouping as G
+from normkit.backends import torch_ops
+
+__all__ = ["norm_forward", "norm_backward", "grouping_args", "decompositions", "tracing",
+           "decomposing", "compile_decomposed", "NormFunction"]
+
+_lib = torch.library.Library("normkit", "DEF")
+
+_GROUPING = "str kind, SymInt[] view, int[] reduce, SymInt[]? param_view"
+_lib.define(f"norm_forward(Tensor x, Tensor? weight, Tensor? bias, {_GROUPING}, float eps, "
+            f"bool center, Tensor? mean=None, Tensor? rstd=None) "
+            f"-> (Tensor, Tensor, Tensor, Tensor)")
+_lib.define(f"norm_backward(Tensor grad, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, "
+            f"{_GROUPING}, float eps, bool center, bool fixed, bool[3] needs) "
+            f"-> (Tensor, Tensor, Tensor)")
+
+_forward_op = torch.ops.normkit.norm_forward.default
+_backward_op = torch.ops.normkit.norm_backward.default
+
+
+def grouping_args(grouping):
+    """A ``Grouping`` as the four schema arguments ``(kind, view, reduce, param_view)``."""
+    pv = None if grouping.param_view is None else list(grouping.param_view)
+    return grouping.kind, list(grouping.view), list(grouping.reduce), pv
+
+
+def _grouping(kind, view, reduce, param_view):
+    pv = None if param_view is None else tuple(param_view)
+    return G.Grouping(kind, tuple(view), tuple(reduce), pv)
+
+
+def _param_grad_shape(grouping):
+    """Shape of a backend's weight/bias gradient: the view with ``param_reduce`` kept as 1
+    (the whole view for the ``dims`` grouping, whose caller sums to the parameter)."""
+    if grouping.param_view is None or not grouping.param_reduce:
+        return tuple(grouping.view)
+    red = grouping.param_reduce
+    return tuple(1 if d in red else s for d, s in enumerate(grouping.view))
+
+
+def _like(t, ref):
+    """``t`` laid out as ``torch.empty_like(ref)`` (what the fake kernels promise); no copy
+    when the strides already agree, as they do for every dense input."""
+    if t.stride() == ref.stride():
+        return t
+    out = torch.empty_like(ref, dtype=t.dtype)
+    return t if out.stride() == t.stride() else out.copy_(t)
+
+
+# ---------------------------------------------------------------------------- kernels
+
+def _forward_impl(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
+                  rstd=None):
+    grouping = _grouping(kind, view, reduce, param_view)
+    fixed = mean is not None
+    backend = backends.select(x, grouping, center, fixed)
+    y, mean_out, rstd_out, var = backend.forward(x, grouping, weight, bias, eps, center,
+                                                 mean, rstd)
+    if fixed:  # the given statistics are the caller's tensors: return none of them
+        empty = x.new_empty(0, dtype=torch_ops.stat_dtype(x.dtype))
+        return _like(y, x), empty, empty.clone(), empty.clone()
+    return _like(y, x), mean_out.contiguous(), rstd_out.contiguous(), var.contiguous()
+
+
+def _forward_fake(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
+                  rstd=None):
+    sdtype = torch_ops.stat_dtype(x.dtype)
+    if mean is not None:
+        return (torch.empty_like(x), x.new_empty(0, dtype=sdtype), x.new_empty(0, dtype=sdtype),
+                x.new_empty(0, dtype=sdtype))
+    shape = _grouping(kind, view, reduce, param_view).stat_shape
+    return (torch.empty_like(x), x.new_empty(shape, dtype=sdtype),
+            x.new_empty(shape, dtype=sdtype), x.new_empty(shape, dtype=sdtype))
+
+
+def _backward_outputs(grouping, x, sdtype, dx, dw, db):
+    """Fill the not-needed gradients with empty tensors and fix the layouts."""
+    empty = x.new_empty(0, dtype=sdtype)
+    dx = empty.to(x.dtype) if dx is None else _like(dx, x)
+    shape = _param_grad_shape(grouping)
+    dw = empty.clone() if dw is None else dw.reshape(shape).contiguous()
+    db = empty.clone() if db is None else db.reshape(shape).contiguous()
+    return dx, dw, db
+
+
+def _backward_impl(grad, x, mean, rstd, weight, kind, view, reduce, param_view, eps, center,
+                   fixed, needs):
+    grouping = _grouping(kind, view, reduce, param_view)
+    backend = backends.select(x, grouping, center, fixed)
+    dx, dw, db = backend.backward(grad, x, mean, rstd, weight, grouping, center, fixed,
+                                  tuple(needs))
+    return _backward_outputs(grouping, x, mean.dtype, dx, dw, db)
+
+
+def _backward_fake(grad, x, mean, rstd, weight, kind, view, reduce, param_view, eps, center,
+                   fixed, needs):
+    grouping = _grouping(kind, view, reduce, param_view)
+    sdtype = mean.dtype
+    empty = x.new_empty(0, dtype=sdtype)
+    dx = torch.empty_like(x) if needs[0] else empty.to(x.dtype)
+    shape = _param_grad_shape(grouping)
+    dw = x.new_empty(shape, dtype=sdtype) if needs[1] else empty.clone()
+    db = x.new_empty(shape, dtype=sdtype) if needs[2] else empty.clone()
+    return dx, dw, db
+
+
+def _composite_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs):
+    """The backward in differentiable torch ops, statistics recomputed from ``x`` (unless
+    fixed), so that autograd differentiates it, their dependence on ``x`` included: the
+    double-backward path."""
+    if not fixed:
+        xs = x.to(torch_ops.stat_dtype(x.dtype))
+        mean, _, rstd = torch_ops.compute_stats(xs, grouping, eps, center)
+    return torch_ops.backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs)
+
+
+# ---------------------------------------------------------------------------- autograd
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _to_param(grad, shape, dtype, grouping):
+    """Bring a backend's parameter gradient to the parameter's shape and dtype."""
+    if grouping.param_view is None:
+        grad = grad.sum_to_size(shape)
+    return grad.reshape(shape).to(dtype)
+
+
+class NormFunction(torch.autograd.Function):
+    """The autograd of ``norm_forward``: saves the input, the weight and the fp32 (fp64)
+    ``mean`` and ``rstd`` -- ``xhat`` is recomputed -- and runs ``norm_backward``.
+
+    Returns ``(y, mean, rstd, var)``; the statistics are non-differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, kind, view, reduce, param_view, eps, center, mean, rstd):
+        if plain_eager(x):
+            y, mean_out, rstd_out, var = _forward_impl(x, weight, bias, kind, view, reduce,
+                                                       param_view, eps, center, mean, rstd)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                y, mean_out, rstd_out, var = _forward_op(x, weight, bias, kind, view, reduce,
+                                                         param_view, eps, center, mean, rstd)
+        fixed = mean is not None
+        ctx.save_for_backward(x, weight, mean if fixed else mean_out,
+                              rstd if fixed else rstd_out)
+        ctx.args = (kind, view, reduce, param_view, eps, center, fixed)
+        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
+        ctx.mark_non_differentiable(mean_out, rstd_out, var)
+        return y, mean_out, rstd_out, var
+
+    @staticmethod
+    def backward(ctx, grad_y, _grad_mean, _grad_rstd, _grad_var):
+        x, weight, mean, rstd = ctx.saved_tensors
+        kind, view, reduce, param_view, eps, center, fixed = ctx.args
+        needs = [bool(n) for n in ctx.needs_input_grad[:3]]
+        run = (_backward_impl if not torch.is_grad_enabled() and plain_eager(grad_y)
+               else _backward_op)
+        dx, dw, db = run(grad_y, x, mean, rstd, weight, kind, view, reduce, param_view, eps,
+                         center, fixed, needs)
+        grouping = _grouping(kind, view, reduce, param_view)
+        dw = _to_param(dw, weight.shape, weight.dtype, grouping) if needs[1] else None
+        db = _to_param(db, *ctx.bias_meta, grouping) if needs[2] else None
+        return (dx if needs[0] else None), dw, db, None, None, None, None, None, None, None, None
+
+
+def _forward_autograd(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
+                      rstd=None):
+    if _needs_grad(x, weight, bias):
+        return NormFunction.apply(x, weight, bias, kind, view, reduce, param_view, eps, center,
+                                  mean, rstd)
+    with torch._C._AutoDispatchBelowAutograd():  # nothing to record: no autograd.Function
+        return _forward_op(x, weight, bias, kind, view, reduce, param_view, eps, center, mean,
+                           rstd)
+
+
+def _backward_autograd(grad, x, mean, rstd, weight, kind, view, reduce, param_view, eps, center,
+                       fixed, needs):
+    if _needs_grad(grad, x, mean, rstd, weight):
+        grouping = _grouping(kind, view, reduce, param_view)
+        dx, dw, db = _composite_backward(grad, x, mean, rstd, weight, grouping, eps, center,
+                                         fixed, tuple(needs))
+        return _backward_outputs(grouping, x, mean.dtype, dx, dw, db)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _backward_op(grad, x, mean, rstd, weight, kind, view, reduce, param_view, eps,
+                            center, fixed, needs)
+
+
+_lib.impl("norm_forward", _forward_impl, "CompositeExplicitAutograd")
+_lib.impl("norm_backward", _backward_impl, "CompositeExplicitAutograd")
+_lib.impl("norm_forward", _forward_autograd, "Autograd")
+_lib.impl("norm_backward", _backward_autograd, "Autograd")
+torch.library.register_fake("normkit::norm_forward", _forward_fake, lib=_lib)
+torch.library.register_fake("normkit::norm_backward", _backward_fake, lib=_lib)
+
+
+def plain_eager(x) -> bool:
+    """Whether nothing traces or intercepts this call: a plain tensor and no dispatch
+    mode (fake tensors, functionalization, make_fx, torch.compile all fail this)."""
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace the checks below
+        return False
+    return type(x) is torch.Tensor and not torch._C._len_torch_dispatch_stack()
+
+
+def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mean=None,
+                 rstd=None):
+    """``torch.ops.normkit.norm_forward`` over ``grouping``; ``x`` already viewed as
+    ``grouping.view``. Returns ``(y, mean, rstd, var)``.
+
+    In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
+    and runs what they would run: ``NormFunction`` when an input requires a gradient,
+    the kernel otherwise. Traced, it is the operator call."""
+    args = grouping_args(grouping)
+    if plain_eager(x):
+        if _needs_grad(x, weight, bias):
+            return NormFunction.apply(x, weight, bias, *args, eps, center, mean, rstd)
+        return _forward_impl(x, weight, bias, *args, eps, center, mean, rstd)
+    return _forward_op(x, weight, bias, *args, eps, center, mean, rstd)
+
+
+def norm_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs):
+    """``torch.ops.normkit.norm_backward`` over ``grouping``: ``(dx, dweight, dbias)``."""
+    return _backward_op(grad, x, mean, rstd, weight, *grouping_args(grouping), eps, center,
+                        fixed, list(needs))
+
+
+# ---------------------------------------------------------------------------- when to decompose
+
+_compile_decomposed = True
+
+
+def compile_decomposed(enabled: bool = True) -> None:
+    """Choose what ``torch.compile`` sees of a normkit norm: its plain torch ops (``True``,
+    the default: the compiler fuses them with their neighbours) or the opaque operator
+    ``torch.ops.normkit.norm_forward`` (``False``: normkit's kernels and hand-derived
+    backward run inside the compiled graph). Takes effect at the next compilation; eager
+    mode and ``torch.export`` always use the operator."""
+    global _compile_decomposed
+    _compile_decomposed = bool(enabled)
+
+
+def tracing() -> bool:
+    """Whether torch.compile, torch.export or the ONNX exporter is tracing this call."""
+    return torch.compiler.is_compiling()
+
+
+def decomposing() -> bool:
+    """Whether the norms run as plain torch ops (the composite backend) instead of
+    ``norm_forward``: under the ONNX exporter (standard ONNX operators only), and under
+    ``torch.compile`` so that the compiler fuses them with their neighbours; never in
+    eager mode nor under ``torch.export``."""
+    if not torch.compiler.is_compiling():
+        return False
+    if torch.onnx.is_in_onnx_export():
+        return True
+    return _compile_decomposed and not torch.compiler.is_exporting()
+
+
+def _composite_forward(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
+                       rstd=None):
+    grouping = _grouping(kind, view, reduce, param_view)
+    y, mean_out, rstd_out, var = torch_ops.forward(x, grouping, weight, bias, eps, center,
+                                                   mean, rstd)
+    if mean is not None:
+        empty = x.new_empty(0, dtype=torch_ops.stat_dtype(x.dtype))
+        return y, empty, empty.clone(), empty.clone()
+    return y, mean_out, rstd_out, var
+
+
+def _composite_backward_op(grad, x, mean, rstd, weight, kind, view, reduce, param_view, eps,
+                           center, fixed, needs):
+    grouping = _grouping(kind, view, reduce, param_view)
+    dx, dw, db = torch_ops.backward(grad, x, mean, rstd, weight, grouping, center, fixed,
+                                    tuple(needs))
+    return _backward_outputs(grouping, x, mean.dtype, dx, dw, db)
+
+
+def decompositions() -> dict:
+    """``{op: plain-torch implementation}`` of ``norm_forward`` and ``norm_backward``, for
+    ``ExportedProgram.run_decompositions`` (a program exported by ``torch.export``
+    then holds only aten ops, e.g. to hand it to ``torch.onnx.export``)."""
+    return {_forward_op: _composite_forward, _backward_op: _composite_backward_op}
+
+
+# ---------------------------------------------------------------------------- public operators
+
+PUBLIC = {
+    "layer_norm": "layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, "
+                  "Tensor? bias=None, float eps=1e-05) -> Tensor",
+    "rms_norm": "rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, "
+                "float? eps=None) -> Tensor",
+    "group_norm": "group_norm(Tensor input, int num_groups, Tensor? weight=None, "
+                  "Tensor? bias=None, float eps=1e-05) -> Tensor",
+    "instance_norm": "instance_norm(Tensor input, Tensor(a!)? running_mean=None, "
+                     "Tensor(b!)? running_var=None, Tensor? weight=None, Tensor? bias=None, "
+                     "bool use_input_stats=True, float momentum=0.1, float eps=1e-05) -> Tensor",
+    "batch_norm": "batch_norm(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+                  "Tensor? weight=None, Tensor? bias=None, bool training=False, "
+                  "float momentum=0.1, float eps=1e-05) -> Tensor",
+    "batch_renorm": "batch_renorm(Tensor input, Tensor(a!) running_mean, Tensor(b!) running_var, "
+                    "Tensor? weight=None, Tensor? bias=None, bool training=False, "
+                    "float momentum=0.1, float eps=1e-05, float r_max=3.0, float d_max=5.0) "
+                    "-> Tensor",
+    "normalize": "normalize(Tensor x, int[] dims, float eps=1e-05, Tensor? weight=None, "
+                 "Tensor? bias=None, bool center=True) -> Tensor",
+    "add_layer_norm": "add_layer_norm(Tensor x, Tensor residual, SymInt[] normalized_shape, "
+                      "Tensor? weight=None, Tensor? bias=None, float eps=1e-05) "
+                      "-> (Tensor, Tensor)",
+    "add_rms_norm": "add_rms_norm(Tensor x, Tensor residual, SymInt[] normalized_shape, "
+                    "Tensor? weight=None, float? eps=None) -> (Tensor, Tensor)",
+}
+
+
+def register_public(functions) -> None:
+    """Register ``normkit.functional``'s ops (``{name: function}``, the names of
+    ``PUBLIC``) as ``torch.ops.normkit.NAME`` with a CompositeImplicitAutograd kernel:
+    called once by ``normkit.functional`` itself, so that this module needs nothing above it."""
+    for name, schema in PUBLIC.items():
+        _lib.define(schema)
+        _lib.impl(name, functions[name], "CompositeImplicitAutograd")

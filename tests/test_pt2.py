@@ -1,0 +1,157 @@
+"""normkit in the PyTorch 2 stack: torch.compile (fullgraph, train and eval, equal to
+eager), torch.export (+ save / load) and ONNX (onnxruntime equal to PyTorch), on tiny
+transformers models converted with ``normkit.convert``."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import normkit
+from normkit import ops
+
+transformers = pytest.importorskip("transformers")
+
+
+def _siglip():
+    cfg = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=1, num_attention_heads=2,
+                                          image_size=32, patch_size=8)
+    return transformers.SiglipVisionModel(cfg)
+
+
+def _resnet():
+    cfg = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                    layer_type="basic")
+    return transformers.ResNetModel(cfg)
+
+
+MODELS = {"siglip": _siglip, "resnet": _resnet}
+
+
+def _converted(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    report = normkit.convert(model)
+    assert report.swapped, "the model has norms to convert"
+    return model
+
+
+def _loss(out):
+    return (out.last_hidden_state ** 2).mean() + out.pooler_output.mean()
+
+
+def _assert_same_state(a, b, rtol=1e-5, atol=1e-6):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=rtol, atol=atol, msg=n)
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=rtol, atol=atol, msg=n)
+    for (n, x), y in zip(a.named_buffers(), b.buffers()):
+        torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=n)
+
+
+# inductor (the default backend) once per model; the other paths with aot_eager, which
+# traces the same graphs (fake kernels, autograd, functionalization) without the C++
+# compilation, to keep the suite short on 2 cores
+COMPILE_CASES = [("siglip", True, "inductor"), ("resnet", True, "inductor"),
+                 ("resnet", False, "aot_eager"), ("siglip", False, "aot_eager")]
+
+
+@pytest.mark.parametrize("name, decomposed, backend", COMPILE_CASES,
+                         ids=[f"{n}-{'decomposed' if d else 'operator'}-{b}"
+                              for n, d, b in COMPILE_CASES])
+def test_compile_fullgraph_trains_and_evaluates_as_eager(name, decomposed, backend):
+    ops.compile_decomposed(decomposed)
+    try:
+        _check_compiled_training(name, backend)
+    finally:
+        ops.compile_decomposed(True)
+
+
+def _check_compiled_training(name, backend):
+    eager = _converted(name).train()
+    model = copy.deepcopy(eager)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
+    opt_c = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        x = torch.randn(4, 3, 32, 32)
+        le, lc = _loss(eager(x)), _loss(compiled(x))
+        le.backward()
+        lc.backward()
+        torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
+        _assert_same_state(eager, model)
+        opt_e.step(), opt_c.step(), opt_e.zero_grad(), opt_c.zero_grad()
+    _assert_same_state(eager, model)
+    eager.eval(), model.eval()
+    with torch.no_grad():
+        x = torch.randn(3, 3, 32, 32)
+        torch.testing.assert_close(compiled(x).last_hidden_state, eager(x).last_hidden_state,
+                                   rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 2  # one graph for training, one for eval: no graph break
+
+
+def test_compile_dynamic_batch_does_not_recompile():
+    model = _converted("siglip").eval()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for batch in (2, 3, 5, 6):
+            x = torch.randn(batch, 3, 32, 32)
+            torch.testing.assert_close(compiled(x).last_hidden_state,
+                                       model(x).last_hidden_state, rtol=1e-5, atol=1e-5)
+            if batch == 2:
+                first = counter.frame_count
+    assert counter.frame_count == first  # batches 3, 5, 6: no recompilation
+
+
+def _normkit_targets(ep):
+    return {str(n.target) for n in ep.graph.nodes
+            if n.op == "call_function" and "normkit" in str(n.target)}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_export_save_load_round_trip(name, train):
+    model = _converted(name).train(train)
+    x = torch.randn(2, 3, 32, 32)
+    ep = torch.export.export(copy.deepcopy(model), (x,))
+    assert _normkit_targets(ep) == {"normkit.norm_forward.default"}
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    buf.seek(0)
+    loaded = torch.export.load(buf).module()
+    want = model(x)
+    got = loaded(x)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=0, atol=0)
+    if train and name == "resnet":  # the running statistics moved as eager's did
+        for (n, b), lb in zip(model.named_buffers(), loaded.buffers()):
+            torch.testing.assert_close(lb, b, rtol=0, atol=0, msg=n)
+    decomposed = ep.run_decompositions(ops.decompositions())
+    assert not _normkit_targets(decomposed)
+    torch.testing.assert_close(decomposed.module()(x).last_hidden_state,
+                               want.last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_onnx_standard_operators_run_in_onnxruntime(name, tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    model = _converted(name).eval()
+    x = torch.randn(2, 3, 32, 32)
+    program = torch.onnx.export(model, (x,), dynamo=True, verbose=False)
+    proto = program.model_proto
+    nodes = list(proto.graph.node) + [n for f in proto.functions for n in f.node]
+    assert {n.domain for n in nodes} <= {"", "ai.onnx"}, "standard ONNX operators only"
+    path = tmp_path / f"{name}.onnx"
+    program.save(str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    with torch.no_grad():
+        want = model(x).last_hidden_state
+    torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
