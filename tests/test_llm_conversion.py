@@ -200,8 +200,6 @@ def test_structure_is_verified_by_behaviour():
     assert "swapped 1 module(s), routed 0, left 1" in str(report)
 
 
-@pytest.mark.xfail(strict=False, reason="normkit's ops are not yet registered as torch "
-                   "operators (torch.ops.normkit.*): dynamo graph-breaks on them")
 def test_converted_llama_compiles_fullgraph():
     model = build_language("llama").eval()
     normkit.convert(model)

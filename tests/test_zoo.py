@@ -228,8 +228,6 @@ def test_opaque_subclass_is_left_with_the_reason():
     assert "left 1" in str(report)
 
 
-@pytest.mark.xfail(strict=False, reason="normkit's ops are not yet registered as torch "
-                   "operators (torch.ops.normkit.*): dynamo graph-breaks on them")
 def test_routed_model_compiles_fullgraph():
     model = _timm_like().eval()
     normkit.convert(model)
