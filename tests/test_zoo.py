@@ -234,3 +234,15 @@ def test_routed_model_compiles_fullgraph():
     x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x), model(x))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_converted_zoo_model_compiles_fullgraph_without_breaks(name):
+    """The issue's four families, converted (swapped and routed), under torch.compile."""
+    model = build(name).float().eval()
+    normkit.convert(model)
+    x = pixels(batch=2)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(model)(x).graph_break_count == 0
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    torch.testing.assert_close(_output(compiled(x)), _output(model(x)), rtol=1e-5, atol=1e-5)
