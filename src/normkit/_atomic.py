@@ -1,6 +1,6 @@
 """Atomic file writes: the scaler files, the study's results and ``normkit scale`` outputs.
 
-A file is written to a hidden temporary ``.NAME.XXXX.tmp`` beside its destination and renamed
+A file is written to a hidden temporary ``.NAME.<random>.tmp`` beside its destination and renamed
 over it only when complete, so readers see the old file or the new one, never half of one.
 The writer holds an advisory lock (``flock``) on its temporary file while it writes; a later
 write to the same destination removes the temporaries whose lock is free, the ones left by a
