@@ -25,12 +25,13 @@ picks (numba on CPU, Triton on CUDA, the composite torch ops elsewhere); the fak
 
 Autograd, at the ``Autograd`` key, in Python: when no input requires a gradient the
 forward goes straight below autograd (no ``autograd.Function``); otherwise
-``normkit.autograd.NormFunction`` records ``norm_backward``. ``norm_backward`` is itself
-differentiable: when its inputs require a gradient (double backward, ``create_graph``)
-it evaluates the same formula with differentiable torch ops and statistics recomputed
-from ``x``, so autograd differentiates the hand-derived backward. In plain eager mode
-(no tracing, no dispatch mode, a plain tensor) ``norm_forward`` here runs what those
-kernels would run without the two Python round trips through the dispatcher.
+``NormFunction`` (below; ``normkit.autograd`` re-exports it) records ``norm_backward``.
+``norm_backward`` is itself differentiable: when its inputs require a gradient (double
+backward, ``create_graph``) it evaluates the same formula with differentiable torch ops
+and statistics recomputed from ``x``, so autograd differentiates the hand-derived
+backward. In plain eager mode (no tracing, no dispatch mode, a plain tensor)
+``norm_forward`` here runs what those kernels would run without the two Python round
+trips through the dispatcher.
 
 The public operators, one per ``normkit.functional`` op with its signature
 (``layer_norm``, ``rms_norm``, ``group_norm``, ``instance_norm``, ``batch_norm``,

@@ -49,6 +49,16 @@ def _candidates():
     return _loaded
 
 
+def fused_kernels_cover(x, grouping, center, fixed) -> bool:
+    """The groupings the fused kernel families (CPU and GPU alike) implement: Layer/RMS,
+    Batch, Instance and GroupNorm over a non-empty input; fixed statistics only for the
+    per-channel kinds (eval BatchNorm, InstanceNorm with running stats); no centering only
+    for rows (RMSNorm). Device, dtype and layout are each backend's own check."""
+    return (grouping.kind in ("layer", "batch", "instance", "group") and x.numel() > 0
+            and not (fixed and grouping.kind in ("layer", "group"))
+            and (center or grouping.kind == "layer"))
+
+
 def select(x, grouping, center=True, fixed=False):
     """Return the backend module that runs this normalization."""
     for backend in _candidates():

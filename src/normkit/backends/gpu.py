@@ -45,11 +45,12 @@ import importlib.util
 
 import torch
 
+from normkit.backends import fused_kernels_cover
+
 if importlib.util.find_spec("triton") is None:
     raise ImportError("the GPU backend needs triton: pip install 'normkit[gpu]'")
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_KINDS = ("layer", "batch", "instance", "group")
 
 # Block sizes (elements). Rows up to ROW_BLOCK_MAX stay in registers; longer ones are
 # looped over in blocks of that size. TILE_MAX bounds a (channels x positions) tile and
@@ -104,9 +105,8 @@ def _ncs(xv, grouping):
 
 
 def supports(x, grouping, center=True, fixed=False) -> bool:
-    if (x.device.type != "cuda" or x.dtype not in _DTYPES or grouping.kind not in _KINDS
-            or x.numel() == 0 or (fixed and grouping.kind in ("layer", "group"))
-            or (not center and grouping.kind != "layer")):
+    if (x.device.type != "cuda" or x.dtype not in _DTYPES
+            or not fused_kernels_cover(x, grouping, center, fixed)):
         return False
     if tuple(x.shape) != tuple(grouping.view):
         return False

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from normkit.backends import fused_kernels_cover
 from normkit.backends._memory import empty_like
 from normkit.backends._parallel import launch
 from normkit.backends.cpu import _cache
@@ -48,7 +49,6 @@ _STORAGE = {
     torch.bfloat16: torch.uint16,
     torch.float16: torch.int16,
 }
-_KINDS = ("layer", "batch", "instance", "group")
 _NP_STAT = {torch.float64: np.float64, torch.float32: np.float32}
 
 
@@ -80,9 +80,8 @@ def layout(xv, grouping):
 
 
 def supports(x, grouping, center=True, fixed=False) -> bool:
-    if (x.device.type != "cpu" or x.dtype not in _STORAGE or grouping.kind not in _KINDS
-            or x.numel() == 0 or (fixed and grouping.kind in ("layer", "group"))
-            or (not center and grouping.kind != "layer")):
+    if (x.device.type != "cpu" or x.dtype not in _STORAGE
+            or not fused_kernels_cover(x, grouping, center, fixed)):
         return False
     try:
         xv = x.view(grouping.view)
