@@ -56,7 +56,11 @@ def inputs(shape, dtype, c, layout="contiguous", offset=0.0, seed=0):
 
 
 def run(fn, x, w, b, dy):
-    """Forward and backward of ``fn(x, w, b)``: (y, dx, dw, db)."""
+    """Forward and backward of ``fn(x, w, b)``: (y, dx, dw, db), with plans built afresh
+    (the tests change tuning numbers between runs, which a cached plan would not see)."""
+    from normkit import backends
+
+    backends.clear_plans()
     x = x.detach().requires_grad_(True)
     w = w.detach().requires_grad_(True)
     b = None if b is None else b.detach().requires_grad_(True)

@@ -3,6 +3,7 @@ the source articles' worked LayerNorm example (its input is ``WORKED_INPUT`` of
 ``normkit.cli.explain.drawing``; here is the output the article prints, to 4 decimals)."""
 
 import numpy as np
+import pytest
 
 # the source article's printed output of torch.nn.LayerNorm(5) on WORKED_INPUT
 ARTICLE_OUTPUT = np.array(
@@ -47,3 +48,17 @@ def assert_close(actual, expected, dtype=None, grad=False, msg=""):
     scale = max(1.0, big) if grad else 1.0
     torch.testing.assert_close(actual.detach().double(), expected.detach().double(),
                                atol=atol * scale, rtol=rtol, equal_nan=True, msg=msg or None)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Every test starts and ends with no cached normalization plan, so that a plan built
+    under one test's tuning numbers never serves another test."""
+    if torch is None:
+        yield
+        return
+    from normkit import backends
+
+    backends.clear_plans()
+    yield
+    backends.clear_plans()

@@ -65,14 +65,16 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
     composite torch ops where ``normkit.ops.decomposing()``); returns ``(y, mean, var)``
     with ``y`` in ``x``'s shape (and memory layout). ``y`` is never a view of ``x``, so
     callers may modify it in place."""
-    xv = view_as(x, grouping.view)
+    shape = x.shape
+    same = shape == grouping.view
+    xv = x if same else x.reshape(grouping.view)
     if ops.decomposing():
         y, mean, _, var = torch_ops.forward(xv, grouping, weight, bias, eps, center,
                                             fixed_mean, fixed_rstd)
     else:
         y, mean, _, var = ops.norm_forward(xv, grouping, weight, bias, eps, center,
                                            fixed_mean, fixed_rstd)
-    return view_as(y, x.shape), mean, var
+    return (y if same else y.reshape(shape)), mean, var
 
 
 class AddNormFunction(torch.autograd.Function):

@@ -90,28 +90,28 @@ def _param_grad_shape(grouping):
     return tuple(1 if d in red else s for d, s in enumerate(grouping.view))
 
 
-def _like(t, ref):
-    """``t`` laid out as ``torch.empty_like(ref)`` (what the fake kernels promise); no copy
-    when the strides already agree, as they do for every dense input."""
-    if t.stride() == ref.stride():
-        return t
-    out = torch.empty_like(ref, dtype=t.dtype)
-    return t if out.stride() == t.stride() else out.copy_(t)
-
-
 # ---------------------------------------------------------------------------- kernels
 
 def _forward_impl(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
                   rstd=None):
     grouping = _grouping(kind, view, reduce, param_view)
     fixed = mean is not None
-    backend = backends.select(x, grouping, center, fixed)
-    y, mean_out, rstd_out, var = backend.forward(x, grouping, weight, bias, eps, center,
-                                                 mean, rstd)
+    y, mean_out, rstd_out, var = backends.plan(x, grouping, center, fixed).forward(
+        x, weight, bias, eps, mean, rstd)
     if fixed:  # the given statistics are the caller's tensors: return none of them
-        empty = x.new_empty(0, dtype=torch_ops.stat_dtype(x.dtype))
-        return _like(y, x), empty, empty.clone(), empty.clone()
-    return _like(y, x), mean_out.contiguous(), rstd_out.contiguous(), var.contiguous()
+        return (y, *_empty_stats(x))
+    return (y, *_own_storage(mean_out, rstd_out, var))
+
+
+def _own_storage(*stats):
+    """The statistics as outputs of an operator, which must not share memory (a plan
+    allocates them as rows of one block)."""
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in stats)
+
+
+def _empty_stats(x):
+    empty = x.new_empty(0, dtype=torch_ops.stat_dtype(x.dtype))
+    return empty, empty.clone(), empty.clone()
 
 
 def _forward_fake(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
@@ -128,7 +128,7 @@ def _forward_fake(x, weight, bias, kind, view, reduce, param_view, eps, center, 
 def _backward_outputs(grouping, x, sdtype, dx, dw, db):
     """Fill the not-needed gradients with empty tensors and fix the layouts."""
     empty = x.new_empty(0, dtype=sdtype)
-    dx = empty.to(x.dtype) if dx is None else _like(dx, x)
+    dx = empty.to(x.dtype) if dx is None else backends.like(dx, x)
     shape = _param_grad_shape(grouping)
     dw = empty.clone() if dw is None else dw.reshape(shape).contiguous()
     db = empty.clone() if db is None else db.reshape(shape).contiguous()
@@ -138,9 +138,8 @@ def _backward_outputs(grouping, x, sdtype, dx, dw, db):
 def _backward_impl(grad, x, mean, rstd, weight, kind, view, reduce, param_view, eps, center,
                    fixed, needs):
     grouping = _grouping(kind, view, reduce, param_view)
-    backend = backends.select(x, grouping, center, fixed)
-    dx, dw, db = backend.backward(grad, x, mean, rstd, weight, grouping, center, fixed,
-                                  tuple(needs))
+    dx, dw, db = backends.plan(x, grouping, center, fixed).backward(grad, x, mean, rstd, weight,
+                                                                    tuple(needs))
     return _backward_outputs(grouping, x, mean.dtype, dx, dw, db)
 
 
@@ -183,46 +182,57 @@ class NormFunction(torch.autograd.Function):
     """The autograd of ``norm_forward``: saves the input, the weight and the fp32 (fp64)
     ``mean`` and ``rstd`` -- ``xhat`` is recomputed -- and runs ``norm_backward``.
 
-    Returns ``(y, mean, rstd, var)``; the statistics are non-differentiable.
+    ``apply(x, weight, bias, grouping, eps, center, mean, rstd, stats)`` returns ``y``;
+    the statistics ``(mean, rstd, var)``, never differentiable, are appended to the list
+    ``stats`` (one output instead of four: each output of an ``autograd.Function`` costs
+    a few microseconds per call, a noticeable share on a small tensor).
+    In plain eager mode both directions run the backend's plan directly.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, kind, view, reduce, param_view, eps, center, mean, rstd):
+    def forward(ctx, x, weight, bias, grouping, eps, center, mean, rstd, stats):
+        fixed = mean is not None
+        ctx.plan = None
         if plain_eager(x):
-            y, mean_out, rstd_out, var = _forward_impl(x, weight, bias, kind, view, reduce,
-                                                       param_view, eps, center, mean, rstd)
+            ctx.plan = backends.plan(x, grouping, center, fixed)
+            y, mean_out, rstd_out, var = ctx.plan.forward(x, weight, bias, eps, mean, rstd)
         else:
             with torch._C._AutoDispatchBelowAutograd():
-                y, mean_out, rstd_out, var = _forward_op(x, weight, bias, kind, view, reduce,
-                                                         param_view, eps, center, mean, rstd)
-        fixed = mean is not None
+                y, mean_out, rstd_out, var = _forward_op(x, weight, bias,
+                                                         *grouping_args(grouping), eps,
+                                                         center, mean, rstd)
+        stats += (mean_out, rstd_out, var)
         ctx.save_for_backward(x, weight, mean if fixed else mean_out,
                               rstd if fixed else rstd_out)
-        ctx.args = (kind, view, reduce, param_view, eps, center, fixed)
+        ctx.grouping, ctx.eps, ctx.center, ctx.fixed = grouping, eps, center, fixed
         ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
-        ctx.mark_non_differentiable(mean_out, rstd_out, var)
-        return y, mean_out, rstd_out, var
+        return y
 
     @staticmethod
-    def backward(ctx, grad_y, _grad_mean, _grad_rstd, _grad_var):
+    def backward(ctx, grad_y):
         x, weight, mean, rstd = ctx.saved_tensors
-        kind, view, reduce, param_view, eps, center, fixed = ctx.args
-        needs = [bool(n) for n in ctx.needs_input_grad[:3]]
-        run = (_backward_impl if not torch.is_grad_enabled() and plain_eager(grad_y)
-               else _backward_op)
-        dx, dw, db = run(grad_y, x, mean, rstd, weight, kind, view, reduce, param_view, eps,
-                         center, fixed, needs)
-        grouping = _grouping(kind, view, reduce, param_view)
+        needs = ctx.needs_input_grad[:3]
+        if ctx.plan is not None and not torch.is_grad_enabled() and plain_eager(grad_y):
+            dx, dw, db = ctx.plan.backward(grad_y, x, mean, rstd, weight, needs)
+        else:
+            dx, dw, db = _backward_op(grad_y, x, mean, rstd, weight,
+                                      *grouping_args(ctx.grouping), ctx.eps, ctx.center,
+                                      ctx.fixed, list(needs))
+        grouping = ctx.grouping
         dw = _to_param(dw, weight.shape, weight.dtype, grouping) if needs[1] else None
         db = _to_param(db, *ctx.bias_meta, grouping) if needs[2] else None
-        return (dx if needs[0] else None), dw, db, None, None, None, None, None, None, None, None
+        return (dx if needs[0] else None), dw, db, None, None, None, None, None, None
 
 
 def _forward_autograd(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
                       rstd=None):
     if _needs_grad(x, weight, bias):
-        return NormFunction.apply(x, weight, bias, kind, view, reduce, param_view, eps, center,
-                                  mean, rstd)
+        stats = []
+        y = NormFunction.apply(x, weight, bias, _grouping(kind, view, reduce, param_view), eps,
+                               center, mean, rstd, stats)
+        if mean is not None:  # fixed: the given statistics are not outputs
+            return (y, *_empty_stats(x))
+        return (y, *(_own_storage(*stats) if plain_eager(x) else stats))
     with torch._C._AutoDispatchBelowAutograd():  # nothing to record: no autograd.Function
         return _forward_op(x, weight, bias, kind, view, reduce, param_view, eps, center, mean,
                            rstd)
@@ -259,17 +269,20 @@ def plain_eager(x) -> bool:
 def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mean=None,
                  rstd=None):
     """``torch.ops.normkit.norm_forward`` over ``grouping``; ``x`` already viewed as
-    ``grouping.view``. Returns ``(y, mean, rstd, var)``.
+    ``grouping.view``. Returns ``(y, mean, rstd, var)`` (with fixed statistics, the given
+    ``mean`` and ``rstd`` and ``var = None`` in eager mode, empty tensors when traced).
 
     In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
     and runs what they would run: ``NormFunction`` when an input requires a gradient,
-    the kernel otherwise. Traced, it is the operator call."""
-    args = grouping_args(grouping)
+    the backend's plan otherwise. Traced, it is the operator call."""
     if plain_eager(x):
         if _needs_grad(x, weight, bias):
-            return NormFunction.apply(x, weight, bias, *args, eps, center, mean, rstd)
-        return _forward_impl(x, weight, bias, *args, eps, center, mean, rstd)
-    return _forward_op(x, weight, bias, *args, eps, center, mean, rstd)
+            stats = []
+            y = NormFunction.apply(x, weight, bias, grouping, eps, center, mean, rstd, stats)
+            return (y, *stats)
+        return backends.plan(x, grouping, center, mean is not None).forward(
+            x, weight, bias, eps, mean, rstd)
+    return _forward_op(x, weight, bias, *grouping_args(grouping), eps, center, mean, rstd)
 
 
 def norm_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs):

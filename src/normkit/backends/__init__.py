@@ -21,13 +21,24 @@ described by a ``normkit.grouping.Grouping``:
     The statistics alone (SyncBatchNorm merges them across processes before it
     normalizes); a backend without it leaves them to ``torch_ops``.
 
+``plan(x, grouping, center, fixed)`` (optional)
+    An object with ``forward(x, weight, bias, eps, mean=None, rstd=None)`` and
+    ``backward(grad, x, mean, rstd, weight, needs)`` for this grouping, dtype and layout,
+    with every decision that depends only on those made once (the CPU kernels' sizes,
+    blocks and threads).
+
 Backends are tried in order; ``torch_ops`` (a composite of torch ops, any device) always
-supports everything and is the fallback.
+supports everything and is the fallback. ``plan`` below is what the operators call: the
+backend's plan for one (grouping, dtype, device, strides, centering, fixed statistics,
+thread count), chosen and built once and then looked up, so a call on a small tensor
+pays for none of the choosing (see ``docs/performance.md``, "Per-call cost").
 """
 
 from __future__ import annotations
 
 import importlib
+
+import torch
 
 from normkit.backends import torch_ops
 
@@ -65,6 +76,58 @@ def select(x, grouping, center=True, fixed=False):
         if backend.supports(x, grouping, center, fixed):
             return backend
     return torch_ops
+
+
+def like(t, ref):
+    """``t`` laid out as ``torch.empty_like(ref)`` (what the operators' fake kernels
+    promise); no copy when the strides already agree, as they do for every dense input."""
+    if t.stride() == ref.stride():
+        return t
+    out = torch.empty_like(ref, dtype=t.dtype)
+    return t if out.stride() == t.stride() else out.copy_(t)
+
+
+class BackendPlan:
+    """The plan of a backend without its own: its ``forward`` and ``backward`` with the
+    grouping bound (output laid out as ``torch.empty_like(x)``, as the plans promise)."""
+
+    def __init__(self, backend, grouping, center, fixed):
+        self.backend, self.grouping = backend, grouping
+        self.center, self.fixed = center, fixed
+
+    def forward(self, x, weight, bias, eps, mean=None, rstd=None):
+        y, mean, rstd, var = self.backend.forward(x, self.grouping, weight, bias, eps,
+                                                  self.center, mean, rstd)
+        return like(y, x), mean, rstd, var
+
+    def backward(self, grad, x, mean, rstd, weight, needs):
+        return self.backend.backward(grad, x, mean, rstd, weight, self.grouping, self.center,
+                                     self.fixed, needs)
+
+
+_PLANS = {}
+_PLANS_MAX = 4096          # distinct shapes kept; a model has tens, dynamic shapes more
+
+
+def plan(x, grouping, center=True, fixed=False):
+    """The plan that runs this normalization of the view ``x`` (cached; see above)."""
+    key = (grouping, x.dtype, x.device, x.stride(), center, fixed, torch.get_num_threads())
+    found = _PLANS.get(key)
+    if found is None:
+        backend = select(x, grouping, center, fixed)
+        maker = getattr(backend, "plan", None)
+        found = (maker(x, grouping, center, fixed) if maker is not None
+                 else BackendPlan(backend, grouping, center, fixed))
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = found
+    return found
+
+
+def clear_plans() -> None:
+    """Forget every plan: the next call of each shape chooses and builds its plan again
+    (after changing a number in ``normkit.backends.cpu.tuning``, say)."""
+    _PLANS.clear()
 
 
 def group_moments(x, grouping):

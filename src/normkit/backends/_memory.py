@@ -27,7 +27,7 @@ import torch
 __all__ = ["empty_like", "huge_pages_advised", "resident", "thp_mode"]
 
 _HUGE = 1 << 21            # 2 MiB, the x86-64 and arm64 (4 KiB base page) huge page
-_MIN_BYTES = 4 * _HUGE      # smaller outputs keep the default
+HUGE_MIN_BYTES = 4 * _HUGE  # smaller outputs keep the default
 _MADV_HUGEPAGE = 14
 
 
@@ -69,7 +69,7 @@ def empty_like(t):
     ``MADV_HUGEPAGE``."""
     out = torch.empty_like(t)
     nbytes = out.numel() * out.element_size()
-    if _MADVISE is not None and nbytes >= _MIN_BYTES:
+    if _MADVISE is not None and nbytes >= HUGE_MIN_BYTES:
         start = out.data_ptr()
         lo = -(-start // _HUGE) * _HUGE
         hi = (start + nbytes) // _HUGE * _HUGE

@@ -31,6 +31,12 @@ def register(subparsers):
     p.add_argument("--quick", action="store_true", help="small shapes (for tests)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--models", nargs="*", metavar="MODEL", default=None,
+                   help="whole models, converted against untouched (train and infer), and "
+                        "the per-call cost of small norms against torch.nn "
+                        "(normkit.bench.models); names restrict the models: "
+                        "siglip resnet18 resnet18-small study-cnn-b2 study-cnn-b32 llama "
+                        "gemma (default: all; with --quick: study-cnn-b2)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the Triton kernels vs torch and Liger-Kernel (if installed) "
                         "in GB/s and as a fraction of the memory bandwidth "
@@ -39,6 +45,8 @@ def register(subparsers):
 
 
 def _main(args) -> int:
+    if args.models is not None:
+        return _models(args)
     if getattr(args, "device", "cpu") == "cuda":
         from normkit.bench import gpu
         return gpu.main(args)
@@ -53,4 +61,38 @@ def _main(args) -> int:
         sys.stdout.write("\n")
     else:
         print(bench.format_table(report))
+    return 0
+
+
+def _models(args) -> int:
+    import torch
+
+    from normkit.bench import models as bench
+
+    unknown = sorted(set(args.models) - set(bench.MODELS))
+    if unknown:
+        print(f"normkit bench --models: unknown model(s) {', '.join(unknown)}; choose from "
+              f"{', '.join(bench.MODELS)}", file=sys.stderr)
+        return 2
+    names = args.models or (list(bench.QUICK_MODELS) if args.quick else list(bench.MODELS))
+    torch.set_num_threads(args.threads)
+    repeats = args.repeats or (2 if args.quick else 5)
+
+    def show(row):
+        if not args.json and not args.no_progress:
+            print(bench.format_models([row]).splitlines()[-1], file=sys.stderr, flush=True)
+
+    report = {"threads": args.threads,
+              "models": bench.run_models(names, repeats=repeats, progress=show),
+              "calls": bench.run_calls(calls=50 if args.quick else 300,
+                                       repeats=3 if args.quick else 15)}
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(f"whole models, {args.threads} threads, best of {repeats} repeats "
+              f"(ratio = converted / untouched)")
+        print(bench.format_models(report["models"]))
+        print()
+        print(bench.format_calls(report["calls"]))
     return 0

@@ -16,6 +16,10 @@ from pathlib import Path
 
 STAMP = "normkit-kernel-sources.sha1"
 
+#: the package's modules with no jitted code (dispatch and bookkeeping): editing them
+#: keeps the compiled kernels
+NOT_KERNELS = frozenset({"__init__.py", "plans.py", "_cache.py"})
+
 
 def sources_digest(paths) -> str:
     """SHA-1 over the names and contents of ``paths``."""
@@ -58,7 +62,8 @@ def check_package_cache() -> None:
     here = Path(__file__).resolve().parent
     import normkit.stats_numba as shared
 
-    digest = sources_digest(list(here.glob("*.py")) + [Path(shared.__file__)])
+    kernels = [p for p in here.glob("*.py") if p.name not in NOT_KERNELS]
+    digest = sources_digest(kernels + [Path(shared.__file__)])
     if os.environ.get("NUMBA_CACHE_DIR"):
         from numba.core.caching import UserProvidedCacheLocator
 

@@ -1,0 +1,255 @@
+"""Whole models, converted against untouched, and the per-call cost of small norms.
+
+``normkit bench --models``. Two tables:
+
+* **models**: each model is built twice with the same weights (from a config: nothing is
+  downloaded), one left as it is and one passed through ``normkit.convert``. A *train*
+  step is forward, loss (sum of the output's squares, or the LM loss), backward and an SGD
+  update; an *infer* step is a no-grad forward in eval mode. The two models alternate
+  step by step after a warm-up each (numba compiles on first use); each repeat times
+  ``steps`` steps of each, and the best repeat of each is kept (wall time: the models use
+  every thread). The ratio is converted / untouched: below 1 normkit is faster.
+* **calls**: one small norm call, normkit's layer against torch.nn's, forward without
+  grad and forward + backward (``layer(x).sum().backward()``), on one thread; the best of
+  ``repeats`` rounds of the calling thread's CPU time per call, in microseconds.
+
+The transformers models need the ``dev`` extra; rows whose library is missing are
+reported as skipped, not dropped silently.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+__all__ = ["MODELS", "CALLS", "run_models", "run_calls", "format_models", "format_calls"]
+
+
+# ---------------------------------------------------------------------------- models
+
+def _siglip(layers=4):
+    import transformers
+
+    config = transformers.SiglipVisionConfig(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=layers,
+        num_attention_heads=12, image_size=224, patch_size=16)
+    return transformers.SiglipVisionModel(config)
+
+
+def _resnet18():
+    import transformers
+
+    config = transformers.ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512],
+                                       depths=[2, 2, 2, 2], layer_type="basic")
+    return transformers.ResNetModel(config)
+
+
+def _study_cnn():
+    from normkit import revert
+    from normkit.study.model import SmallCNN
+
+    model = SmallCNN("batch")
+    revert(model)                                   # the torch.nn original
+    return model
+
+
+def _llm(family, hidden=1024, layers=2):
+    import transformers
+
+    config_cls = {"llama": transformers.LlamaConfig, "gemma": transformers.GemmaConfig}[family]
+    model_cls = {"llama": transformers.LlamaForCausalLM,
+                 "gemma": transformers.GemmaForCausalLM}[family]
+    heads = hidden // 64
+    config = config_cls(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
+                        num_hidden_layers=layers, num_attention_heads=heads,
+                        num_key_value_heads=heads, head_dim=64, vocab_size=8192,
+                        max_position_embeddings=1024)
+    return model_cls(config)
+
+
+def _images(batch, size, channels=3):
+    return torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(0))
+
+
+def _tokens(batch, seq):
+    return torch.randint(0, 8192, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+#: name -> (description, build, make input, modes); the table of issue #19 and the LLMs of #23
+MODELS = {
+    "siglip": ("SiglipVisionModel, ViT-B/16 config, 4 layers, batch 8, 224 px",
+               _siglip, lambda: _images(8, 224), ("train", "infer")),
+    "resnet18": ("ResNetModel, ResNet-18 config, batch 16, 224 px",
+                 _resnet18, lambda: _images(16, 224), ("train", "infer")),
+    "resnet18-small": ("ResNetModel, ResNet-18 config, batch 2, 64 px",
+                       _resnet18, lambda: _images(2, 64), ("train", "infer")),
+    "study-cnn-b2": ("the study's digits CNN (8x8, 16-64 channels, BatchNorm2d), batch 2",
+                     _study_cnn, lambda: _images(2, 8, 1), ("train", "infer")),
+    "study-cnn-b32": ("the study's digits CNN, batch 32",
+                      _study_cnn, lambda: _images(32, 8, 1), ("train", "infer")),
+    "llama": ("LlamaForCausalLM, hidden 1024, 2 layers, seq 512, batch 2",
+              lambda: _llm("llama"), lambda: _tokens(2, 512), ("train",)),
+    "gemma": ("GemmaForCausalLM, hidden 1024, 2 layers, seq 512, batch 2",
+              lambda: _llm("gemma"), lambda: _tokens(2, 512), ("train",)),
+}
+QUICK_MODELS = ("study-cnn-b2",)
+
+
+def _output(model, x):
+    if x.dtype == torch.long:
+        return model(input_ids=x, labels=x).loss
+    out = model(x)
+    out = getattr(out, "last_hidden_state", out)
+    return out.float().square().mean()
+
+
+def _train_step(model, opt, x):
+    opt.zero_grad(set_to_none=True)
+    _output(model, x).backward()
+    opt.step()
+
+
+def _infer_step(model, opt, x):
+    with torch.no_grad():
+        _output(model, x)
+
+
+def _pair(build):
+    """(untouched, converted, swapped count) with equal weights."""
+    import normkit
+
+    torch.manual_seed(0)
+    plain = build()
+    converted = copy.deepcopy(plain)
+    report = normkit.convert(converted)
+    return plain, report.model, len(report.swapped) + len(report.routed)
+
+
+def _time_steps(fn, model, opt, x, steps):
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn(model, opt, x)
+    return (time.perf_counter() - start) / steps
+
+
+def measure_model(name, mode, repeats=5, min_seconds=0.3):
+    """One row: best step time of each model and the ratio converted / untouched."""
+    desc, build, make_input, _ = MODELS[name]
+    plain, converted, count = _pair(build)
+    x = make_input()
+    fn = _train_step if mode == "train" else _infer_step
+    pair = {"untouched": plain, "converted": converted}
+    opts = {}
+    for key, model in pair.items():
+        model.train(mode == "train")
+        opts[key] = torch.optim.SGD(model.parameters(), lr=1e-4)
+        fn(model, opts[key], x)                                    # warm-up (numba compiles)
+    once = _time_steps(fn, plain, opts["untouched"], x, 1)
+    steps = max(1, min(200, round(min_seconds / max(once, 1e-6))))
+    best = {key: float("inf") for key in pair}
+    for _ in range(repeats):
+        for key, model in pair.items():
+            best[key] = min(best[key], _time_steps(fn, model, opts[key], x, steps))
+    return dict(model=name, description=desc, mode=mode, norms_converted=count,
+                steps_per_repeat=steps, untouched_ms=best["untouched"] * 1e3,
+                converted_ms=best["converted"] * 1e3,
+                ratio=best["converted"] / best["untouched"])
+
+
+def run_models(names=None, repeats=5, progress=None):
+    """Every (model, mode) row of ``names`` (default: all); a row whose library is missing
+    becomes ``{"model", "mode", "skipped": reason}``."""
+    rows = []
+    for name in names or MODELS:
+        for mode in MODELS[name][3]:
+            try:
+                rows.append(measure_model(name, mode, repeats))
+            except ImportError as exc:
+                rows.append(dict(model=name, mode=mode, description=MODELS[name][0],
+                                 skipped=f"needs {exc.name or exc}"))
+            if progress:
+                progress(rows[-1])
+    return rows
+
+
+# ---------------------------------------------------------------------------- calls
+
+def _calls():
+    x4 = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    x8 = torch.randn(8, 64, 8, 8, generator=torch.Generator().manual_seed(0))
+    return {
+        "LayerNorm (4, 64)": (lambda m: m.LayerNorm(64), x4, True),
+        "RMSNorm (4, 64)": (lambda m: m.RMSNorm(64), x4, True),
+        "BatchNorm2d (8, 64, 8, 8) train": (lambda m: m.BatchNorm2d(64), x8, True),
+        "BatchNorm2d (8, 64, 8, 8) eval": (lambda m: m.BatchNorm2d(64), x8, False),
+        "GroupNorm 8 groups (8, 64, 8, 8)": (lambda m: m.GroupNorm(8, 64), x8, True),
+    }
+
+
+CALLS = tuple(_calls())
+
+
+def _per_call_us(fn, calls, repeats):
+    for _ in range(calls // 10 + 10):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.thread_time() - start) / calls * 1e6)
+    return best
+
+
+def run_calls(calls=300, repeats=15):
+    """Per-call microseconds of normkit's and torch.nn's layer, one thread."""
+    import normkit.nn as nknn
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for case, (make, x, train) in _calls().items():
+            layers = {"normkit": make(nknn).train(train), "torch": make(torch.nn).train(train)}
+            xg = x.clone().requires_grad_()
+            for kind in ("forward", "forward+backward"):
+                us = {}
+                for lib, layer in layers.items():
+                    if kind == "forward":
+                        def fn(layer=layer):
+                            with torch.no_grad():
+                                layer(x)
+                    else:
+                        def fn(layer=layer):
+                            layer(xg).sum().backward()
+                    us[lib] = _per_call_us(fn, calls, repeats)
+                rows.append(dict(case=case, pass_=kind, normkit_us=us["normkit"],
+                                 torch_us=us["torch"], ratio=us["normkit"] / us["torch"]))
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+# ---------------------------------------------------------------------------- printing
+
+def format_models(rows):
+    lines = [f"{'model':16s} {'mode':5s} {'norms':>5s} {'untouched ms':>13s} "
+             f"{'converted ms':>13s} {'ratio':>6s}"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['model']:16s} {r['mode']:5s} skipped: {r['skipped']}")
+            continue
+        lines.append(f"{r['model']:16s} {r['mode']:5s} {r['norms_converted']:5d} "
+                     f"{r['untouched_ms']:13.2f} {r['converted_ms']:13.2f} {r['ratio']:6.3f}")
+    return "\n".join(lines)
+
+
+def format_calls(rows):
+    lines = [f"{'call (one thread)':34s} {'pass':17s} {'normkit us':>10s} {'torch us':>9s} "
+             f"{'ratio':>6s}"]
+    for r in rows:
+        lines.append(f"{r['case']:34s} {r['pass_']:17s} {r['normkit_us']:10.1f} "
+                     f"{r['torch_us']:9.1f} {r['ratio']:6.2f}")
+    return "\n".join(lines)
