@@ -60,11 +60,12 @@ def view_as(t, shape):
 
 
 def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
-               fixed_mean=None, fixed_rstd=None):
+               fixed_mean=None, fixed_rstd=None, stats=True):
     """Run ``torch.ops.normkit.norm_forward`` on ``x`` seen through ``grouping.view`` (the
     composite torch ops where ``normkit.ops.decomposing()``); returns ``(y, mean, var)``
-    with ``y`` in ``x``'s shape (and memory layout). ``y`` is never a view of ``x``, so
-    callers may modify it in place."""
+    with ``y`` in ``x``'s shape (and memory layout); ``stats=False``: the caller uses ``y``
+    alone, ``mean`` and ``var`` may be None. ``y`` is never a view of ``x``, so callers
+    may modify it in place."""
     shape = x.shape
     same = shape == grouping.view
     xv = x if same else x.reshape(grouping.view)
@@ -73,7 +74,7 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
                                             fixed_mean, fixed_rstd)
     else:
         y, mean, _, var = ops.norm_forward(xv, grouping, weight, bias, eps, center,
-                                           fixed_mean, fixed_rstd)
+                                           fixed_mean, fixed_rstd, stats)
     return (y if same else y.reshape(shape)), mean, var
 
 

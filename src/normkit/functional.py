@@ -43,11 +43,15 @@ def _check_channels(input, **params):
     return c
 
 
-def update_running(running, value, momentum):
-    """``running = (1 - momentum) * running + momentum * value`` in place, in the buffer's
-    dtype (no autograd: ``value`` detached rather than a ``no_grad`` block, which
-    ``torch.export`` cannot keep in a training graph)."""
-    running.mul_(1.0 - momentum).add_(value.detach().to(running.dtype), alpha=momentum)
+def update_running(running_mean, running_var, mean, var, momentum):
+    """``running = (1 - momentum) * running + momentum * value`` in place for both
+    buffers, in their dtype: two foreach ops, not four (no autograd: the values detached
+    rather than a ``no_grad`` block, which ``torch.export`` cannot keep in a training
+    graph)."""
+    buffers = [running_mean, running_var]
+    torch._foreach_mul_(buffers, 1.0 - momentum)
+    torch._foreach_add_(buffers, [mean.detach().to(running_mean.dtype),
+                                  var.detach().to(running_var.dtype)], alpha=momentum)
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
@@ -91,11 +95,11 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         sdtype = stat_dtype(input.dtype)
         mean = running_mean.to(sdtype).view(grouping.stat_shape)
         rstd = torch.rsqrt(running_var.to(sdtype).view(grouping.stat_shape) + eps)
-        return apply_norm(input, grouping, weight, bias, eps, True, mean, rstd)[0]
+        return apply_norm(input, grouping, weight, bias, eps, True, mean, rstd, stats=False)[0]
     y, mean, var = apply_norm(input, grouping, weight, bias, eps)
     if running_mean is not None and n > 0:
-        update_running(running_mean, mean.view(c), momentum)
-        update_running(running_var, var.view(c) * (n / (n - 1)), momentum)
+        update_running(running_mean, running_var, mean.view(c), var.view(c) * (n / (n - 1)),
+                       momentum)
     return y
 
 
@@ -127,14 +131,14 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         shape = grouping.stat_shape
         mean = running_mean.to(sdtype).view(1, c, 1).expand(shape)
         rstd = torch.rsqrt(running_var.to(sdtype).view(1, c, 1) + eps).expand(shape)
-        return apply_norm(input, grouping, weight, bias, eps, True, mean, rstd)[0]
+        return apply_norm(input, grouping, weight, bias, eps, True, mean, rstd, stats=False)[0]
     if s == 1:
         raise ValueError(f"Expected more than 1 spatial element when training, got input size "
                          f"{input.size()}: one value per instance cannot be normalized")
     y, mean, var = apply_norm(input, grouping, weight, bias, eps)
     if running_mean is not None and input.numel() > 0:
-        update_running(running_mean, mean.view(-1, c).mean(0), momentum)
-        update_running(running_var, (var.view(-1, c) * (s / (s - 1))).mean(0), momentum)
+        update_running(running_mean, running_var, mean.view(-1, c).mean(0),
+                       (var.view(-1, c) * (s / (s - 1))).mean(0), momentum)
     return y
 
 
@@ -157,10 +161,16 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             f"input of shape {_size(input.shape)} and num_groups={num_groups}; choose "
             f"num_groups among the divisors of {c}")
     _check_channels(input, weight=weight, bias=bias)
-    return apply_norm(input, G.group(input.shape, num_groups), weight, bias, eps)[0]
+    return apply_norm(input, G.group(input.shape, num_groups), weight, bias, eps,
+                      stats=False)[0]
 
 
 def _check_normalized_shape(input, normalized_shape, weight, bias, op):
+    shape = tuple(normalized_shape)
+    k = len(shape)
+    if (k and input.shape[input.dim() - k:] == shape and (weight is None or weight.shape == shape)
+            and (bias is None or bias.shape == shape)):
+        return shape                               # the usual case, without a conversion
     shape = tuple(_size(normalized_shape))
     k = len(shape)
     if k == 0 or tuple(input.shape[input.dim() - k:]) != shape or input.dim() < k:
@@ -191,7 +201,8 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         tensor([[-0.2675,  1.4464, -1.1036,  0.8611, -0.9364]])
     """
     shape = _check_normalized_shape(input, normalized_shape, weight, bias, "layer_norm")
-    return apply_norm(input, G.layer(input.shape, len(shape)), weight, bias, eps)[0]
+    return apply_norm(input, G.layer(input.shape, len(shape)), weight, bias, eps,
+                      stats=False)[0]
 
 
 def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, casting="torch"):
@@ -218,11 +229,13 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, cast
     check_casting(casting, offset, weight)
     if casting != "torch":                       # normalize as the model does, then its cast
         x = input.to(normalize_dtype(input, casting))
-        x_hat = apply_norm(x, G.layer(x.shape, len(shape)), None, None, eps, False)[0]
+        x_hat = apply_norm(x, G.layer(x.shape, len(shape)), None, None, eps, False,
+                           stats=False)[0]
         return scale_and_cast(x_hat, input.dtype, weight, offset, casting)
     if offset:
         weight = offset + weight
-    return apply_norm(input, G.layer(input.shape, len(shape)), weight, None, eps, False)[0]
+    return apply_norm(input, G.layer(input.shape, len(shape)), weight, None, eps, False,
+                      stats=False)[0]
 
 
 def normalize(x, dims, eps=1e-5, weight=None, bias=None, center=True):
@@ -260,7 +273,7 @@ def normalize(x, dims, eps=1e-5, weight=None, bias=None, center=True):
             if p.dim() > x.dim() or torch.broadcast_shapes(p.shape, x.shape) != x.shape:
                 raise ValueError(f"{name} of shape {_size(p.shape)} would enlarge the input "
                                  f"of shape {_size(x.shape)}; give it at most x's shape")
-    return apply_norm(x, G.dims(x.shape, dims), weight, bias, eps, center)[0]
+    return apply_norm(x, G.dims(x.shape, dims), weight, bias, eps, center, stats=False)[0]
 
 
 def batch_renorm(input, running_mean, running_var, weight=None, bias=None, training=False,
@@ -326,8 +339,8 @@ def batch_renorm(input, running_mean, running_var, weight=None, bias=None, train
         b_eff = b_eff + bias.to(sdtype)                            # gamma * d + beta
     y, mean, var = apply_norm(input, grouping, w_eff, b_eff, eps)
     if n > 0:
-        update_running(running_mean, mean.view(c), momentum)
-        update_running(running_var, var.view(c) * (n / (n - 1)), momentum)
+        update_running(running_mean, running_var, mean.view(c), var.view(c) * (n / (n - 1)),
+                       momentum)
     return y
 
 

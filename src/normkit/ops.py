@@ -267,10 +267,11 @@ def plain_eager(x) -> bool:
 
 
 def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mean=None,
-                 rstd=None):
+                 rstd=None, keep_stats=True):
     """``torch.ops.normkit.norm_forward`` over ``grouping``; ``x`` already viewed as
     ``grouping.view``. Returns ``(y, mean, rstd, var)`` (with fixed statistics, the given
-    ``mean`` and ``rstd`` and ``var = None`` in eager mode, empty tensors when traced).
+    ``mean`` and ``rstd`` and ``var = None`` in eager mode, empty tensors when traced;
+    ``keep_stats=False``: the caller wants ``y`` alone, statistics may be None).
 
     In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
     and runs what they would run: ``NormFunction`` when an input requires a gradient,
@@ -281,7 +282,7 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
             y = NormFunction.apply(x, weight, bias, grouping, eps, center, mean, rstd, stats)
             return (y, *stats)
         return backends.plan(x, grouping, center, mean is not None).forward(
-            x, weight, bias, eps, mean, rstd)
+            x, weight, bias, eps, mean, rstd, keep_stats)
     return _forward_op(x, weight, bias, *grouping_args(grouping), eps, center, mean, rstd)
 
 

@@ -22,7 +22,8 @@ described by a ``normkit.grouping.Grouping``:
     normalizes); a backend without it leaves them to ``torch_ops``.
 
 ``plan(x, grouping, center, fixed)`` (optional)
-    An object with ``forward(x, weight, bias, eps, mean=None, rstd=None)`` and
+    An object with ``forward(x, weight, bias, eps, mean=None, rstd=None, keep_stats=True)``
+    (``keep_stats=False``: the caller wants ``y`` only; statistics may come back None) and
     ``backward(grad, x, mean, rstd, weight, needs)`` for this grouping, dtype and layout,
     with every decision that depends only on those made once (the CPU kernels' sizes,
     blocks and threads).
@@ -95,7 +96,7 @@ class BackendPlan:
         self.backend, self.grouping = backend, grouping
         self.center, self.fixed = center, fixed
 
-    def forward(self, x, weight, bias, eps, mean=None, rstd=None):
+    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True):
         y, mean, rstd, var = self.backend.forward(x, self.grouping, weight, bias, eps,
                                                   self.center, mean, rstd)
         return like(y, x), mean, rstd, var

@@ -12,9 +12,9 @@ On a small tensor the Python around the kernel is most of the time (see
 ``PlanesPlan``        Batch/Instance/GroupNorm on contiguous NCHW planes   (``planes``)
 ``ChannelsLastPlan``  Batch/Instance/GroupNorm on channels_last           (``channels_last``)
 
-Every plan has ``forward(x, weight, bias, eps, mean=None, rstd=None) -> (y, mean, rstd,
-var)`` and ``backward(grad, x, mean, rstd, weight, needs) -> (dx, dweight, dbias)`` with
-the meaning of the backend interface (``normkit.backends``); ``y`` and ``dx`` are laid
+Every plan has ``forward(x, weight, bias, eps, mean=None, rstd=None, keep_stats=True) ->
+(y, mean, rstd, var)`` (statistics None with ``keep_stats=False``) and ``backward(grad,
+x, mean, rstd, weight, needs) -> (dx, dweight, dbias)`` with the meaning of the backend interface (``normkit.backends``); ``y`` and ``dx`` are laid
 out as ``torch.empty_like(x)``.
 """
 
@@ -40,7 +40,8 @@ _NP_STAT = {torch.float64: np.float64, torch.float32: np.float32}
 
 def np_view(t):
     """Zero-copy NumPy view of a CPU tensor's storage (16-bit floats as integers)."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     storage = _STORAGE.get(t.dtype)
     return (t if storage is None else t.view(storage)).numpy()
 
@@ -62,6 +63,7 @@ class _Plan:
         self.threads = tuning.threads(x)
         self.stat_shape = grouping.stat_shape
         self.stat_count = math.prod(self.stat_shape)
+        self.stats_block = (3, *self.stat_shape)
         self.params = params                                       # elements per weight
         self.ones = np.ones(params, dtype=self.st)                 # weight None
         self.zeros = np.zeros(params, dtype=self.st)               # bias None
@@ -75,10 +77,9 @@ class _Plan:
         """A weight or bias as a contiguous 1-D array of the statistics dtype."""
         if p is None:
             return default
-        p = p.detach()
         if p.dtype != self.sdtype:
-            p = p.to(self.sdtype)
-        return p.numpy().reshape(self.params)
+            p = p.detach().to(self.sdtype)
+        return np_view(p).reshape(self.params)
 
     def run(self, kernel, total, *args):
         if self.threads == 1 or total == 1:
@@ -86,13 +87,16 @@ class _Plan:
         else:
             launch(kernel, total, self.threads, *args)
 
-    def stats(self):
-        """Three fresh statistics tensors (mean, rstd, var) shaped ``stat_shape``, and
-        their NumPy views as 1-D arrays."""
-        block = torch.empty((3, self.stat_count), dtype=self.sdtype)
-        arrays = block.numpy()
-        mean, rstd, var = block.view(3, *self.stat_shape).unbind(0)
-        return (mean, rstd, var), (arrays[0], arrays[1], arrays[2])
+    def stats(self, keep=True):
+        """Three fresh statistics tensors (mean, rstd, var) shaped ``stat_shape`` and
+        their NumPy views as 1-D arrays; ``keep=False``: scratch arrays only (tensors
+        None), for a caller that wants ``y`` alone."""
+        if keep:
+            block = torch.empty(self.stats_block, dtype=self.sdtype)
+            tensors, arrays = block.unbind(0), block.numpy().reshape(3, self.stat_count)
+        else:
+            tensors, arrays = (None, None, None), np.empty((3, self.stat_count), self.st)
+        return tensors, (arrays[0], arrays[1], arrays[2])
 
     def dparams(self, dw, db, shape, needs):
         """dweight and dbias as tensors of ``shape`` where asked for in ``needs``."""
@@ -108,9 +112,9 @@ class RowsPlan(_Plan):
         super().__init__(x, grouping, center, fixed, self.k)
         self.ahead = tuning.rows_ahead(self.k, self.itemsize)
 
-    def forward(self, x, weight, bias, eps, mean=None, rstd=None):
+    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True):
         y = self.empty(x)
-        tensors, arrays = self.stats()
+        tensors, arrays = self.stats(keep_stats)
         self.run(rows.rows_forward, self.m, np_view(x), np_view(y),
                  self.param(weight, self.ones), self.param(bias, self.zeros), float(eps),
                  self.center, arrays, (tuning.stream_out(y), self.ahead))
@@ -130,13 +134,10 @@ class RowsPlan(_Plan):
                 *self.dparams(sums[0], sums[1], (1, self.k), needs))
 
 
-def _per_unit(t, grouping, n, c):
-    """Statistics shaped ``grouping.stat_shape`` as the NCHW kernels' per-unit arrays:
-    (C,) per channel for BatchNorm, (N * groups,) otherwise."""
-    if grouping.kind == "group":
-        return t.reshape(-1).contiguous()
-    per_nc = t.reshape(-1, c).expand(n, c)                         # N, C
-    return (per_nc[0] if grouping.kind == "batch" else per_nc).reshape(-1).contiguous()
+def _per_unit(t):
+    """Statistics shaped ``grouping.stat_shape`` (or expanded to it) as the NCHW kernels'
+    per-unit array: (C,) per channel for BatchNorm, (N * C) or (N * groups,) otherwise."""
+    return np.ascontiguousarray(np_view(t)).reshape(-1)
 
 
 def _groups(grouping, c):
@@ -161,21 +162,21 @@ class PlanesPlan(_ChannelsPlan):
         super().__init__(x, grouping, center, fixed)
         self.by_channel = grouping.kind == "batch"
         self.units = self.c if self.by_channel else self.n * self.groups
-        self.block = tuning.channel_block(self.n * self.s * self.itemsize)
-        self.block_bwd = tuning.channel_block(2 * self.n * self.s * self.itemsize)
+        # (no larger than C: each kernel call allocates its per-block scratch)
+        self.block = min(self.c, tuning.channel_block(self.n * self.s * self.itemsize))
+        self.block_bwd = min(self.c, tuning.channel_block(2 * self.n * self.s * self.itemsize))
         self.ahead = tuning.rows_ahead(self.s, self.itemsize)
 
-    def forward(self, x, weight, bias, eps, mean=None, rstd=None):
+    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True):
         x3, g = _ncs(x, self.grouping), self.grouping
         y = self.empty(x)
         y3 = _ncs(y, g)
         w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
         if self.fixed:
-            given = (_per_unit(mean.to(self.sdtype), g, self.n, self.c),
-                     _per_unit(rstd.to(self.sdtype), g, self.n, self.c))
-            arrays = (np_view(given[0]), np_view(given[1]), np.empty(self.units, self.st))
+            arrays = (_per_unit(mean.to(self.sdtype)), _per_unit(rstd.to(self.sdtype)),
+                      np.empty(self.units, self.st))
         else:
-            tensors, arrays = self.stats()
+            tensors, arrays = self.stats(keep_stats)
         stream = tuning.stream_out(y)
         if self.by_channel:
             self.run(planes.channels_forward, self.units, np_view(x3), np_view(y3), w, b,
@@ -192,7 +193,7 @@ class PlanesPlan(_ChannelsPlan):
         x3 = _ncs(x, g)
         g3 = grad.reshape(n, c, s).contiguous()
         dx = self.empty(x3)
-        stats = (np_view(_per_unit(mean, g, n, c)), np_view(_per_unit(rstd, g, n, c)))
+        stats = (_per_unit(mean), _per_unit(rstd))
         sums = np.empty((2, n, c), dtype=self.st)
         w = self.param(weight, self.ones)
         stream = tuning.stream_out(dx)
@@ -205,7 +206,7 @@ class PlanesPlan(_ChannelsPlan):
                      stats, self.groups, self.center, self.fixed, np_view(dx),
                      (sums[0], sums[1]), (stream, self.ahead))
         # dweight, dbias: the per-plane sums over n, in float64
-        dw, db = (a.astype(np.float64).sum(0).astype(self.st) for a in (sums[1], sums[0]))
+        db, dw = np.add.reduce(sums, axis=1, dtype=np.float64).astype(self.st)
         return ((dx.view(g.view) if needs[0] else None),
                 *self.dparams(dw, db, self.pshape, needs))
 
@@ -237,14 +238,14 @@ class ChannelsLastPlan(_ChannelsPlan):
         self.unit = _unit(grouping, self.c)
         self.per_sample = (not fixed and grouping.kind != "batch" and self.n >= self.threads)
 
-    def forward(self, x, weight, bias, eps, mean=None, rstd=None):
+    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True):
         n, c, g = self.n, self.c, self.grouping
         x3 = _ncs(x, g)
         y = self.empty(x)
         xt, yt = _cl_flat(x3), _cl_flat(_ncs(y, g))                # N, S*C
         w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
         if self.per_sample:
-            tensors, arrays = self.stats()
+            tensors, arrays = self.stats(keep_stats)
             self.run(cl.cl_sample_forward, n, xt, yt, w, b, float(eps), c, self.groups,
                      self.blocks, arrays, tuning.stream_out(y))
             return (y, *tensors)
@@ -259,7 +260,7 @@ class ChannelsLastPlan(_ChannelsPlan):
             partials = (np.empty((n, self.parts, c)), np.empty((n, self.parts, c)))
             self.run(cl.nc_moments, n * self.parts, xt, c, self.parts, self.blocks,
                      np.empty(0, st), partials)
-            (mean, rstd, var), arrays = self.stats()
+            (mean, rstd, var), arrays = self.stats(keep_stats)
             cl.nc_stats(partials, self.s, self.unit, float(eps), w, b, arrays, coefs)
         self.run(cl.nc_apply, n * self.parts, xt, yt, c, self.parts, coefs, tuning.stream_out(y))
         return y, mean, rstd, var
