@@ -74,8 +74,9 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
                                             fixed_mean, fixed_rstd)
     else:
         y, mean, _, var = ops.norm_forward(xv, grouping, weight, bias, eps, center,
-                                           fixed_mean, fixed_rstd, stats)
-    return (y if same else y.reshape(shape)), mean, var
+                                           fixed_mean, fixed_rstd, stats,
+                                           None if same else shape)
+    return (y if y.shape == shape else y.reshape(shape)), mean, var
 
 
 class AddNormFunction(torch.autograd.Function):

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from normkit import backends, ops
 from normkit import grouping as G
-from normkit import ops
 from normkit.autograd import add_norm, apply_norm
+from normkit.backends import torch_ops
 from normkit.backends.torch_ops import stat_dtype
 from normkit.rms_casting import check_casting, normalize_dtype, scale_and_cast
 
@@ -43,15 +44,14 @@ def _check_channels(input, **params):
     return c
 
 
-def update_running(running_mean, running_var, mean, var, momentum):
+def update_running(running_mean, running_var, mean, var, momentum, unbias=1.0):
     """``running = (1 - momentum) * running + momentum * value`` in place for both
-    buffers, in their dtype: two foreach ops, not four (no autograd: the values detached
-    rather than a ``no_grad`` block, which ``torch.export`` cannot keep in a training
-    graph)."""
-    buffers = [running_mean, running_var]
-    torch._foreach_mul_(buffers, 1.0 - momentum)
-    torch._foreach_add_(buffers, [mean.detach().to(running_mean.dtype),
-                                  var.detach().to(running_var.dtype)], alpha=momentum)
+    buffers, the variance's value ``var * unbias``: in eager mode on the buffers'
+    backend (``normkit.backends.update_running``), traced as torch ops."""
+    if ops.plain_eager(running_mean):
+        backends.update_running(running_mean, running_var, mean, var, momentum, unbias)
+    else:
+        torch_ops.update_running(running_mean, running_var, mean, var, momentum, unbias)
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
@@ -98,8 +98,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         return apply_norm(input, grouping, weight, bias, eps, True, mean, rstd, stats=False)[0]
     y, mean, var = apply_norm(input, grouping, weight, bias, eps)
     if running_mean is not None and n > 0:
-        update_running(running_mean, running_var, mean.view(c), var.view(c) * (n / (n - 1)),
-                       momentum)
+        update_running(running_mean, running_var, mean, var, momentum, n / (n - 1))
     return y
 
 
@@ -339,8 +338,7 @@ def batch_renorm(input, running_mean, running_var, weight=None, bias=None, train
         b_eff = b_eff + bias.to(sdtype)                            # gamma * d + beta
     y, mean, var = apply_norm(input, grouping, w_eff, b_eff, eps)
     if n > 0:
-        update_running(running_mean, running_var, mean.view(c), var.view(c) * (n / (n - 1)),
-                       momentum)
+        update_running(running_mean, running_var, mean, var, momentum, n / (n - 1))
     return y
 
 

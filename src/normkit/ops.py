@@ -182,15 +182,19 @@ class NormFunction(torch.autograd.Function):
     """The autograd of ``norm_forward``: saves the input, the weight and the fp32 (fp64)
     ``mean`` and ``rstd`` -- ``xhat`` is recomputed -- and runs ``norm_backward``.
 
-    ``apply(x, weight, bias, grouping, eps, center, mean, rstd, stats)`` returns ``y``;
-    the statistics ``(mean, rstd, var)``, never differentiable, are appended to the list
-    ``stats`` (one output instead of four: each output of an ``autograd.Function`` costs
-    a few microseconds per call, a noticeable share on a small tensor).
+    ``apply(x, weight, bias, grouping, eps, center, mean, rstd, stats, shape=None)``
+    returns ``y``; the statistics ``(mean, rstd, var)``, never differentiable, are
+    appended to the list ``stats`` (one output instead of four: each output of an
+    ``autograd.Function`` costs a few microseconds per call, a noticeable share on a small
+    tensor). ``shape``: return ``y`` in this shape (the caller's, before the view) as a
+    tensor of its own rather than a view of the Function's output, so that an in-place
+    op on it (ResNet's ``hidden += residual``) does not make autograd copy it back
+    through the view on every backward.
     In plain eager mode both directions run the backend's plan directly.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, grouping, eps, center, mean, rstd, stats):
+    def forward(ctx, x, weight, bias, grouping, eps, center, mean, rstd, stats, shape=None):
         fixed = mean is not None
         ctx.plan = None
         if plain_eager(x):
@@ -206,12 +210,17 @@ class NormFunction(torch.autograd.Function):
                               rstd if fixed else rstd_out)
         ctx.grouping, ctx.eps, ctx.center, ctx.fixed = grouping, eps, center, fixed
         ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
+        ctx.reshaped = shape is not None
+        if ctx.reshaped:   # an alias autograd does not track as a view
+            y = torch.ops.aten._unsafe_view(y, shape)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
+        if ctx.reshaped:
+            grad_y = grad_y.reshape(ctx.grouping.view)
         if ctx.plan is not None and not torch.is_grad_enabled() and plain_eager(grad_y):
             dx, dw, db = ctx.plan.backward(grad_y, x, mean, rstd, weight, needs)
         else:
@@ -221,7 +230,7 @@ class NormFunction(torch.autograd.Function):
         grouping = ctx.grouping
         dw = _to_param(dw, weight.shape, weight.dtype, grouping) if needs[1] else None
         db = _to_param(db, *ctx.bias_meta, grouping) if needs[2] else None
-        return (dx if needs[0] else None), dw, db, None, None, None, None, None, None
+        return (dx if needs[0] else None), dw, db, None, None, None, None, None, None, None
 
 
 def _forward_autograd(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
@@ -267,11 +276,13 @@ def plain_eager(x) -> bool:
 
 
 def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mean=None,
-                 rstd=None, keep_stats=True):
+                 rstd=None, keep_stats=True, shape=None):
     """``torch.ops.normkit.norm_forward`` over ``grouping``; ``x`` already viewed as
     ``grouping.view``. Returns ``(y, mean, rstd, var)`` (with fixed statistics, the given
     ``mean`` and ``rstd`` and ``var = None`` in eager mode, empty tensors when traced;
-    ``keep_stats=False``: the caller wants ``y`` alone, statistics may be None).
+    ``keep_stats=False``: the caller wants ``y`` alone, statistics may be None). With
+    ``shape`` (the input's shape before the view) ``y`` may come back in that shape: it
+    does where autograd records the op (see ``NormFunction``).
 
     In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
     and runs what they would run: ``NormFunction`` when an input requires a gradient,
@@ -279,7 +290,8 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     if plain_eager(x):
         if _needs_grad(x, weight, bias):
             stats = []
-            y = NormFunction.apply(x, weight, bias, grouping, eps, center, mean, rstd, stats)
+            y = NormFunction.apply(x, weight, bias, grouping, eps, center, mean, rstd, stats,
+                                   shape)
             return (y, *stats)
         return backends.plan(x, grouping, center, mean is not None).forward(
             x, weight, bias, eps, mean, rstd, keep_stats)

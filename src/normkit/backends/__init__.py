@@ -125,6 +125,22 @@ def plan(x, grouping, center=True, fixed=False):
     return found
 
 
+def update_running(running_mean, running_var, mean, var, momentum, unbias=1.0) -> None:
+    """BatchNorm's running statistics, in place, in the buffers' dtype::
+
+        running_mean = (1 - momentum) * running_mean + momentum * mean
+        running_var  = (1 - momentum) * running_var  + momentum * (var * unbias)
+
+    by the backend of the buffers where it has its own (``update_running`` returning
+    True: the CPU kernels' one jitted loop), else by torch's foreach ops. Eager only: a
+    traced graph keeps the torch ops (see ``normkit.functional.update_running``)."""
+    for backend in _candidates():
+        own = getattr(backend, "update_running", None)
+        if own is not None and own(running_mean, running_var, mean, var, momentum, unbias):
+            return
+    torch_ops.update_running(running_mean, running_var, mean, var, momentum, unbias)
+
+
 def clear_plans() -> None:
     """Forget every plan: the next call of each shape chooses and builds its plan again
     (after changing a number in ``normkit.backends.cpu.tuning``, say)."""

@@ -44,6 +44,21 @@ def compute_stats(xs, grouping, eps, center):
     return mean, var, torch.rsqrt(var + eps)
 
 
+def update_running(running_mean, running_var, mean, var, momentum, unbias=1.0):
+    """``running = (1 - momentum) * running + momentum * value`` in place for both
+    buffers, ``var`` unbiased (``* unbias``) first, in the buffers' dtype, each product
+    rounded before the sum (as the CPU kernel does): three foreach ops (no autograd: the
+    values detached rather than a ``no_grad`` block, which ``torch.export`` cannot keep in
+    a training graph)."""
+    if unbias != 1.0:
+        var = var * unbias
+    buffers = [running_mean, running_var]
+    torch._foreach_mul_(buffers, 1.0 - momentum)
+    values = [mean.detach().reshape(running_mean.shape).to(running_mean.dtype),
+              var.detach().reshape(running_var.shape).to(running_var.dtype)]
+    torch._foreach_add_(buffers, torch._foreach_mul(values, momentum))
+
+
 def group_moments(x, grouping):
     """``(mean, var)`` of each group of the view ``x``: biased variance, stat dtype,
     shaped ``grouping.stat_shape`` (zeros for an empty input)."""

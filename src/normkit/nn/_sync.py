@@ -102,7 +102,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         backend = backends.select(xv, grouping, True, True)
         y, _, _, _ = backend.forward(xv, grouping, weight, bias, eps, True, mean, rstd)
         if running_mean is not None:
-            update_running(running_mean, running_var, mean64, var64 * (n / (n - 1)), momentum)
+            update_running(running_mean, running_var, mean64, var64, momentum, n / (n - 1))
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.count, ctx.process_group = n, process_group
         ctx.bias_dtype = None if bias is None else bias.dtype

@@ -13,6 +13,7 @@ takes and which kernel family runs them; the modules below do the rest:
 ``tuning``         thresholds, block sizes, prefetch distances, each with its reason
 ``moments``        plane and channels_last moment loops, merged by the one jitted Chan
                    merge (``normkit.stats_numba``, shared with the scalers)
+``running``        BatchNorm's running statistics, both buffers in one loop
 ``rows``           LayerNorm/RMSNorm, contiguous (M, K)
 ``planes``         Batch/Instance/GroupNorm on contiguous NCHW
 ``channels_last``  Batch/Instance/GroupNorm on channels_last (the per-(n, c) family)
@@ -28,6 +29,7 @@ file, so ``_cache`` drops them all when any kernel source changed.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from normkit.backends import fused_kernels_cover
@@ -36,8 +38,10 @@ from normkit.backends.cpu import _cache
 _cache.check_package_cache()    # before any kernel is loaded from the cache
 
 from normkit.backends.cpu.plans import ChannelsLastPlan, PlanesPlan, RowsPlan  # noqa: E402
+from normkit.backends.cpu.plans import np_view  # noqa: E402
+from normkit.backends.cpu.running import running_update  # noqa: E402
 
-__all__ = ["backward", "forward", "plan", "supports"]
+__all__ = ["backward", "forward", "plan", "supports", "update_running"]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _FAMILIES = {"rows": RowsPlan, "nchw": PlanesPlan, "channels_last": ChannelsLastPlan}
@@ -80,3 +84,20 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
 
 def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     return plan(x, grouping, center, fixed).backward(grad, x, mean, rstd, weight, needs)
+
+
+_BUFFER = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def update_running(running_mean, running_var, mean, var, momentum, unbias) -> bool:
+    """The running statistics update of ``normkit.backends.update_running`` for CPU
+    float32/float64 buffers (with statistics of their dtype); False: not handled here."""
+    st = _BUFFER.get(running_mean.dtype)
+    if (st is None or running_var.dtype != running_mean.dtype or mean.dtype != running_mean.dtype
+            or var.dtype != running_mean.dtype or running_mean.device.type != "cpu"
+            or not (running_mean.is_contiguous() and running_var.is_contiguous())):
+        return False
+    running_update((np_view(running_mean), np_view(running_var)),
+                   (np_view(mean).reshape(-1), np_view(var).reshape(-1)), st(1.0 - momentum),
+                   st(momentum), st(unbias), np.empty(running_mean.shape[0], st))
+    return True
