@@ -27,10 +27,11 @@ unfused code) whenever the fused call could differ:
   promote), the norm not (any more) a plain normkit ``RMSNorm``/``LayerNorm``, or the
   norm with hooks (a fused call would bypass them);
 * an RMSNorm casting rule the fused op cannot reproduce: it normalizes :math:`h` with
-  fp32 statistics and casts :math:`\hat h` once to :math:`h`'s dtype, so it serves
-  ``casting="torch"`` (the weight inside), ``"llama"`` (whose rule is exactly that cast,
-  then ``w *``), and the fp32 (fp64) inputs of every rule (no cast at all); Gemma's rule in
-  bf16/fp16 multiplies by ``1 + w`` in fp32 before its cast, so it stays unfused.
+  fp32 statistics (fp64 for fp64) and casts :math:`\hat h` once to :math:`h`'s dtype, so it serves
+  ``casting="torch"`` (the weight inside), ``"llama"`` in fp32/bf16/fp16 (whose rule is
+  exactly that cast, then ``w *``), and fp32 inputs of ``"gemma"``, fp32/fp64 of ``"t5"``
+  (no cast at all); Gemma's rule in bf16/fp16 multiplies by ``1 + w`` in fp32 before its
+  cast, and ``"llama"``/``"gemma"`` normalize an fp64 input in fp32: those stay unfused.
 
 The memory-saving backward is never used here (it recomputes :math:`\hat h` from the
 output, which changes gradients by rounding), so forward and backward are the unfused
@@ -91,8 +92,11 @@ def add_norm(norm, a, b):
     if casting == "torch":                               # the weight inside, as rms_norm
         weight = weight if not offset else offset + weight
         return nF.add_rms_norm(a, b, norm.normalized_shape, weight, eps, memory_saving=False)
-    if casting != "llama" and normalize_dtype(a, casting) != a.dtype:
-        h = a + b                   # the rule scales in fp32 before its cast: not one op
+    # the fused op's statistics are fp32 (fp64 for fp64); its x_hat is cast to a's dtype
+    model_dtype = normalize_dtype(a, casting)
+    if torch.promote_types(a.dtype, torch.float32) != model_dtype or \
+            (casting != "llama" and a.dtype != model_dtype):
+        h = a + b             # e.g. Gemma's bf16 rule scales in fp32, then casts: not one op
         return norm(h), h
     x_hat, h = nF.add_rms_norm(a, b, norm.normalized_shape, None, eps, memory_saving=False)
     return scale_and_cast(x_hat, a.dtype, weight, offset, casting), h
