@@ -192,6 +192,15 @@ def test_the_fused_call_falls_back_where_it_could_differ():
     fused.ln_2.register_forward_hook(lambda m, i, o: seen.append(o))  # a hook, added later
     x = torch.randn(2, 5, 24)
     assert torch.equal(fused(x), plain(x)) and len(seen) == 1
+    plain, fused, _ = _block_pair()
+    called = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: called.append(m) if isinstance(m, nn.Module) else None)
+    try:
+        fused(x)
+    finally:
+        handle.remove()
+    assert fused.ln_2 in called                                    # a global hook
     # operands that broadcast: the unfused a + b
     assert torch.equal(fuse.add_norm(plain.ln_2, x, x[0])[1], x + x[0])
 

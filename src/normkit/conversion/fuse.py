@@ -16,9 +16,10 @@ statements ``H = A + B; R = H; H = self.N(H)`` (names only; ``N`` a child that
 ``convert`` made a normkit ``RMSNorm`` or ``LayerNorm``), in any block of the function.
 The three become one, ``H, R = self._normkit_add_norm(self.N, A, B)``; the rest of the
 function is the same syntax tree, compiled with the original file name, line numbers and
-globals (read, never written). Decorators that keep the function in their closure (transformers'
-``deprecate_kwarg``) are rebuilt around the new function. The module gets a class derived
-for it with that ``forward`` and ``_normkit_add_norm = add_norm``; nothing global is patched, ``revert`` gives the class back.
+globals (read, never written). Decorators that keep the function in their closure
+(transformers' ``deprecate_kwarg``) are rebuilt around the new function. The module gets
+a class derived for it with that ``forward`` and ``_normkit_add_norm = add_norm``;
+nothing global is patched, and ``revert`` gives the class back.
 
 ``add_norm`` decides per call, and falls back to ``h = A + B; y = self.N(h)`` (the
 unfused code) whenever the fused call could differ:
@@ -27,27 +28,31 @@ unfused code) whenever the fused call could differ:
   promote), the norm not (any more) a plain normkit ``RMSNorm``/``LayerNorm``, or the
   norm with hooks (a fused call would bypass them);
 * an RMSNorm casting rule the fused op cannot reproduce: it normalizes :math:`h` with
-  fp32 statistics (fp64 for fp64) and casts :math:`\hat h` once to :math:`h`'s dtype, so it serves
-  ``casting="torch"`` (the weight inside), ``"llama"`` in fp32/bf16/fp16 (whose rule is
-  exactly that cast, then ``w *``), and fp32 inputs of ``"gemma"``, fp32/fp64 of ``"t5"``
-  (no cast at all); Gemma's rule in bf16/fp16 multiplies by ``1 + w`` in fp32 before its
+  fp32 statistics (fp64 for fp64) and casts :math:`\hat h` once to :math:`h`'s dtype, so
+  it serves ``casting="torch"`` (the weight inside), ``"llama"`` in fp32/bf16/fp16
+  (whose rule is exactly that cast, then ``w *``), and fp32 inputs of ``"gemma"``,
+  fp32/fp64 of ``"t5"`` (no cast at all); Gemma's rule in bf16/fp16 multiplies by ``1 + w`` in fp32 before its
   cast, and ``"llama"``/``"gemma"`` normalize an fp64 input in fp32: those stay unfused.
 
 The memory-saving backward is never used here (it recomputes :math:`\hat h` from the
 output, which changes gradients by rounding), so forward and backward are the unfused
 model's, bit for bit on CPU, where ``add_*`` is the add followed by the same norm op.
+On CUDA the fused kernels round as their own reductions do; they are checked against
+torch within the tolerances of ``tests/test_gpu_kernels.py``, not bit for bit.
 """
 
 from __future__ import annotations
 
 import __future__
 import ast
+import functools
 import inspect
+import operator
 import textwrap
 import types
 
 import torch
-from torch import nn
+from torch.nn.modules import module as torch_module
 
 import normkit.nn as nknn
 from normkit import functional as nF
@@ -59,13 +64,14 @@ __all__ = ["add_norm", "candidates", "fuse", "is_fused", "unfuse"]
 _HELPER = "_normkit_add_norm"
 _FORWARDS: dict = {}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_FUTURE_FLAGS = 0
-for _name in __future__.all_feature_names:
-    _FUTURE_FLAGS |= getattr(__future__, _name).compiler_flag
+# the ``from __future__`` flags a recompiled function keeps from the original
+_FUTURE_FLAGS = functools.reduce(operator.or_, (getattr(__future__, f).compiler_flag
+                                                for f in __future__.all_feature_names))
 
 
 def _fusable_norm(norm) -> bool:
-    """A normkit RMSNorm / LayerNorm running its own class's forward, without hooks."""
+    """A normkit RMSNorm / LayerNorm running its own class's forward, without hooks of
+    its own or global ones (``register_module_forward_hook``)."""
     kind = type(norm)
     if isinstance(norm, nknn.RMSNorm):
         plain = kind.forward is nknn.RMSNorm.forward
@@ -73,7 +79,9 @@ def _fusable_norm(norm) -> bool:
         plain = kind.forward is nknn.LayerNorm.forward
     else:
         return False
-    return plain and "forward" not in vars(norm) and not any(getattr(norm, h) for h in _HOOKS)
+    hooks = [getattr(norm, h) for h in _HOOKS] + [getattr(torch_module, "_global" + h)
+                                                  for h in _HOOKS]
+    return plain and "forward" not in vars(norm) and not any(hooks)
 
 
 def add_norm(norm, a, b):
