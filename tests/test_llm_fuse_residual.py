@@ -15,7 +15,7 @@ from torch import nn  # noqa: E402
 import normkit  # noqa: E402
 import normkit.functional as nF  # noqa: E402
 from normkit.conversion import fuse  # noqa: E402
-from zoo_models import build_language, tokens  # noqa: E402
+from zoo_models import build, build_language, pixels, tokens  # noqa: E402
 
 # the norm each decoder layer fuses its (first) residual add into
 FUSED_NORM = {"llama": "post_attention_layernorm", "qwen2": "post_attention_layernorm",
@@ -47,7 +47,7 @@ def test_fused_equals_unfused_and_the_original(name, monkeypatch):
     report = normkit.convert(fused, fuse_residual=True)
     layers = fused.config.num_hidden_layers
     assert [(n, how) for n, _, how in report.fused] == [
-        (f"model.layers.{i}", f"residual add + {FUSED_NORM[name]} -> add_rms_norm")
+        (f"model.layers.{i}", f"residual + hidden_states, then {FUSED_NORM[name]} -> add_rms_norm")
         for i in range(layers)]
     assert f"fused {layers} residual add(s)" in str(report).splitlines()[0]
     counted = _Counted(nF.add_rms_norm)
@@ -108,8 +108,9 @@ def test_a_layer_outside_the_pattern_is_left_unfused_with_the_reason():
     report = normkit.convert(model, fuse_residual=True)
     assert report.fused == [] and len(report.swapped) == 5
     reasons = dict((n, why) for n, _, why in report.unfused)
-    assert "`hidden_states = residual + self.resid_attn_dropout(hidden_states)` is not" in \
-        reasons["model.layers.0"]
+    assert reasons["model.layers.0"] == (
+        "before post_attention_layernorm, `hidden_states = residual + "
+        "self.resid_attn_dropout(hidden_states)` is not an add of two names")
     assert "no residual add directly before a norm call" in reasons["model"]
     assert not any(fuse.is_fused(m) for m in model.modules())
 
@@ -174,7 +175,7 @@ def _block_pair():
 
 def test_layer_norm_blocks_fuse_into_add_layer_norm():
     plain, fused, report = _block_pair()
-    assert [how for _, _, how in report.fused] == ["residual add + ln_2 -> add_layer_norm"]
+    assert [how for _, _, how in report.fused] == ["hidden + residual, then ln_2 -> add_layer_norm"]
     x = torch.randn(3, 7, 24)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = plain(xa), fused(xb)
@@ -184,6 +185,43 @@ def test_layer_norm_blocks_fuse_into_add_layer_norm():
     assert torch.equal(xa.grad, xb.grad)
     for (n, pa), (_, pb) in zip(plain.named_parameters(), fused.named_parameters()):
         assert torch.equal(pa.grad, pb.grad), n
+
+
+def _bert():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.BertModel(transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+# pre-norm ViT (`h = hidden_states + residual; r = h; h = self.layernorm_after(h)`) and
+# post-norm BERT (`self.LayerNorm(hidden_states + input_tensor)`, and its embeddings' sum)
+ENCODERS = {
+    "vit": (lambda: build("vit"), lambda: dict(pixel_values=pixels()),
+            ["hidden_states + residual, then layernorm_after -> add_layer_norm"] * 2),
+    "bert": (_bert, lambda: dict(input_ids=tokens()),
+             ["embeddings + position_embeddings, then LayerNorm -> add_layer_norm"] +
+             ["hidden_states + input_tensor, then LayerNorm -> add_layer_norm"] * 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENCODERS))
+def test_encoders_fuse_into_add_layer_norm(name):
+    make, inputs, hows = ENCODERS[name]
+    plain = make()
+    fused = copy.deepcopy(plain)
+    normkit.convert(plain)
+    report = normkit.convert(fused, fuse_residual=True)
+    assert [how for _, _, how in report.fused] == hows
+    results = []
+    for model in (plain, fused):
+        out = model(**inputs()).last_hidden_state
+        out.square().mean().backward()
+        results.append([out] + [p.grad for p in model.parameters() if p.grad is not None])
+    assert len(results[0]) == len(results[1]) > 10
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_the_fused_call_falls_back_where_it_could_differ():

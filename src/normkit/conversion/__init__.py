@@ -16,9 +16,10 @@ on normkit, in place, and back.
 4. otherwise, if the module is norm-like (a torch norm subclass, or a class whose name
    contains ``Norm``), **leave** it and say why in the report.
 
-With ``fuse_residual=True`` it then **fuses** the residual add that directly precedes a
-norm call (``h = a + b; r = h; h = self.norm(h)`` in a decoder layer's forward) into one
-``add_rms_norm`` / ``add_layer_norm`` call, where that equals the unfused code (``fuse``).
+With ``fuse_residual=True`` it then **fuses** each add that directly precedes a norm call
+in a forward (``h = a + b; r = h; h = self.norm(h)`` in a decoder layer, ``self.norm(a +
+b)`` in a post-norm block) into one ``add_rms_norm`` / ``add_layer_norm`` call, where that
+equals the unfused code (``fuse``).
 
 ``revert`` undoes each: swapped modules are rebuilt as the original class around the same
 tensors, routed and fused ones get their class back.
@@ -140,10 +141,10 @@ def _fuse_residual(report):
         result = fuse.fuse(module, norms)
         if isinstance(result, str):
             report.unfused.append((name, kind, result))
-        for attr in result if not isinstance(result, str) else ():
+        for add, attr in result if not isinstance(result, str) else ():
             op = "add_rms_norm" if isinstance(getattr(module, attr), nknn.RMSNorm) else \
                 "add_layer_norm"
-            report.fused.append((name, kind, f"residual add + {attr} -> {op}"))
+            report.fused.append((name, kind, f"{add}, then {attr} -> {op}"))
 
 
 def convert(model: nn.Module, *, fuse_residual: bool = False) -> ConversionReport:
@@ -151,10 +152,10 @@ def convert(model: nn.Module, *, fuse_residual: bool = False) -> ConversionRepor
     layers (and their plain subclasses, and language models' RMSNorm classes) for normkit
     layers, route the norm calls of subclasses with their own forward; report the rest.
 
-    ``fuse_residual=True`` also fuses each residual add that directly precedes a norm call
-    in a module's forward (``h = a + b; r = h; h = self.norm(h)``, the pre-norm decoder
-    layer) into ``add_rms_norm`` / ``add_layer_norm``, where that equals the unfused code
-    (see ``normkit.conversion.fuse``); ``report.fused`` lists each fused add,
+    ``fuse_residual=True`` also fuses each add that directly precedes a norm call in a
+    module's forward (``h = a + b; r = h; h = self.norm(h)``, the pre-norm decoder layer;
+    ``self.norm(a + b)``) into ``add_rms_norm`` / ``add_layer_norm``, where that equals the
+    unfused code (see ``normkit.conversion.fuse``); ``report.fused`` lists each fused add,
     ``report.unfused`` the modules with normkit norms where none was, and why.
 
     Returns a ``ConversionReport``; ``report.model`` is the converted model (``model``

@@ -1,4 +1,4 @@
-r"""Fusing a residual add into the norm after it: ``convert(model, fuse_residual=True)``.
+r"""Fusing an add into the norm after it: ``convert(model, fuse_residual=True)``.
 
 A pre-norm transformer block (transformers' ``LlamaDecoderLayer`` and its many copies)
 adds a branch to the residual stream and normalizes the sum at once::
@@ -11,18 +11,25 @@ adds a branch to the residual stream and normalizes the sum at once::
 (\mathrm{norm}(a + b),\ a + b)` in one call (one kernel each way on CUDA, where the sum is
 written once and read no extra time; ``h = a + b`` then the norm elsewhere).
 
-The pattern is found in the *source* of the module's ``forward``: three consecutive
-statements ``H = A + B; R = H; H = self.N(H)`` (names only; ``N`` a child that
-``convert`` made a normkit ``RMSNorm`` or ``LayerNorm``), in any block of the function.
-The three become one, ``H, R = self._normkit_add_norm(self.N, A, B)``; the rest of the
-function is the same syntax tree, compiled with the original file name, line numbers and
-globals (read, never written). Decorators that keep the function in their closure
-(transformers' ``deprecate_kwarg``) are rebuilt around the new function. The module gets
-a class derived for it with that ``forward`` and ``_normkit_add_norm = add_norm``;
-nothing global is patched, and ``revert`` gives the class back.
+The patterns are found in the *source* of the module's ``forward``, in any block of the
+function, names only, ``N`` a child that ``convert`` made a normkit ``RMSNorm`` or
+``LayerNorm``:
 
-``add_norm`` decides per call, and falls back to ``h = A + B; y = self.N(h)`` (the
-unfused code) whenever the fused call could differ:
+* ``H = A + B``, any number of copies ``R = H``, then ``Y = self.N(H)`` (pre-norm: the
+  Llama layer above, ViT's ``layernorm_after``; BERT's embeddings): the add becomes
+  ``_normkit_y, H = self._normkit_add_norm(self.N, A, B)``, the copies stay, the norm
+  call becomes ``Y = _normkit_y``;
+* ``self.N(A + B)`` anywhere in an expression (post-norm: BERT's ``self.LayerNorm(
+  hidden_states + input_tensor)``) becomes ``self._normkit_add_norm(self.N, A, B)[0]``.
+
+The rest of the function is the same syntax tree, compiled with the original file name,
+line numbers and globals (read, never written). Decorators that keep the function in
+their closure (transformers' ``deprecate_kwarg``) are rebuilt around the new function.
+The module gets a class derived for it with that ``forward`` and ``_normkit_add_norm =
+add_norm``; nothing global is patched, and ``revert`` gives the class back.
+
+``add_norm`` decides per call, and runs ``h = A + B; y = self.N(h)`` (the unfused
+code) whenever the fused call could differ:
 
 * ``A``, ``B`` not tensors of one dtype, device and shape (``A + B`` would broadcast or
   promote), the norm not (any more) a plain normkit ``RMSNorm``/``LayerNorm``, or the
@@ -31,8 +38,9 @@ unfused code) whenever the fused call could differ:
   fp32 statistics (fp64 for fp64) and casts :math:`\hat h` once to :math:`h`'s dtype, so
   it serves ``casting="torch"`` (the weight inside), ``"llama"`` in fp32/bf16/fp16
   (whose rule is exactly that cast, then ``w *``), and fp32 inputs of ``"gemma"``,
-  fp32/fp64 of ``"t5"`` (no cast at all); Gemma's rule in bf16/fp16 multiplies by ``1 + w`` in fp32 before its
-  cast, and ``"llama"``/``"gemma"`` normalize an fp64 input in fp32: those stay unfused.
+  fp32/fp64 of ``"t5"`` (no cast at all); Gemma's rule in bf16/fp16 multiplies by
+  ``1 + w`` in fp32 before its cast, and ``"llama"``/``"gemma"`` normalize an fp64 input
+  in fp32: those stay unfused.
 
 The memory-saving backward is never used here (it recomputes :math:`\hat h` from the
 output, which changes gradients by rounding), so forward and backward are the unfused
@@ -61,7 +69,7 @@ from normkit.rms_casting import normalize_dtype, scale_and_cast
 
 __all__ = ["add_norm", "candidates", "fuse", "is_fused", "unfuse"]
 
-_HELPER = "_normkit_add_norm"
+_HELPER, _Y = "_normkit_add_norm", "_normkit_y"
 _FORWARDS: dict = {}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # the ``from __future__`` flags a recompiled function keeps from the original
@@ -146,44 +154,88 @@ def _blocks(node):
                     yield from _blocks(child)
 
 
+def _add_of_names(value):
+    """``(A, B)`` of ``A + B`` with two names, else None."""
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and \
+            _name(value.left) and _name(value.right):
+        return value.left.id, value.right.id
+    return None
+
+
+def _first_line(stmt):
+    line = ast.unparse(stmt).splitlines()[0]
+    return line if len(line) <= 80 else line[:77] + "..."
+
+
 def _windows(fn_def, norms):
-    """``(block, index, hidden, residual, a, b, attr)`` of each ``H = A + B; R = H;
-    H = self.N(H)`` with ``N`` in ``norms``, and the reasons the near misses are not."""
+    """``(block, i, j, hidden, a, b, y, attr)`` of each ``H = A + B; R = H ...; Y =
+    self.N(H)`` (statements i..j, any number of copies ``R = H`` between) with ``N`` in
+    ``norms``, and the reasons for the adds of other operands before such a call."""
     self_name = fn_def.args.args[0].arg if fn_def.args.args else None
     found, misses = [], []
     for block in _blocks(fn_def):
-        for i in range(1, len(block) - 1):
-            save, call = _assign(block[i]), _assign(block[i + 1])
-            if not (save and call and _name(save[1])):
+        for i, stmt in enumerate(block):
+            add = _assign(stmt)
+            if not (add and isinstance(add[1], ast.BinOp) and isinstance(add[1].op, ast.Add)):
                 continue
-            residual, hidden = save[0], save[1].id
-            target = _norm_call(call[1], self_name)
-            if not (target and target[1] == hidden and call[0] == hidden and target[0] in norms
-                    and residual != hidden):
+            hidden, j = add[0], i + 1
+            while j < len(block) and (copy := _assign(block[j])) and copy[0] != hidden and \
+                    _name(copy[1]) == hidden:
+                j += 1
+            call = _assign(block[j]) if j < len(block) else None
+            target = _norm_call(call[1], self_name) if call else None
+            if not (target and target[1] == hidden and target[0] in norms):
                 continue
-            add = _assign(block[i - 1])
-            if add and add[0] == hidden and isinstance(add[1], ast.BinOp) and \
-                    isinstance(add[1].op, ast.Add) and _name(add[1].left) and \
-                    _name(add[1].right):
-                found.append((block, i - 1, hidden, residual, add[1].left.id,
-                              add[1].right.id, target[0]))
-            else:
-                misses.append(f"before {target[0]}, `{ast.unparse(block[i - 1])[:80]}` is not "
-                              f"`{hidden} = a + b` of two names")
+            operands = _add_of_names(add[1])
+            if operands is None:
+                misses.append(f"before {target[0]}, `{_first_line(stmt)}` is not an add of "
+                              f"two names")
+                continue
+            found.append((block, i, j, hidden, *operands, call[0], target[0]))
     return found, misses
 
 
-def _rewrite(found):
-    """Replace each window by ``H, R = self._normkit_add_norm(self.N, A, B)`` (last
-    first, so the indices of a block stay valid)."""
-    for block, i, hidden, residual, a, b, attr in sorted(found, key=lambda w: -w[1]):
-        self_name = block[i + 2].value.func.value.id
-        call = ast.Call(ast.Attribute(ast.Name(self_name, ast.Load()), _HELPER, ast.Load()),
-                        [ast.Attribute(ast.Name(self_name, ast.Load()), attr, ast.Load()),
-                         ast.Name(a, ast.Load()), ast.Name(b, ast.Load())], [])
-        stmt = ast.Assign([ast.Tuple([ast.Name(hidden, ast.Store()),
-                                      ast.Name(residual, ast.Store())], ast.Store())], call)
-        block[i:i + 3] = [ast.copy_location(stmt, block[i])]
+def _helper_call(self_name, attr, a, b):
+    """``self._normkit_add_norm(self.N, A, B)``."""
+    return ast.Call(ast.Attribute(ast.Name(self_name, ast.Load()), _HELPER, ast.Load()),
+                    [ast.Attribute(ast.Name(self_name, ast.Load()), attr, ast.Load()),
+                     ast.Name(a, ast.Load()), ast.Name(b, ast.Load())], [])
+
+
+def _rewrite(found, self_name):
+    """Replace each window by ``_normkit_y, H = self._normkit_add_norm(self.N, A, B)``,
+    the copies, ``Y = _normkit_y`` (last first, so the indices of a block stay valid)."""
+    for block, i, j, hidden, a, b, y, attr in sorted(found, key=lambda w: -w[1]):
+        fused = ast.Assign([ast.Tuple([ast.Name(_Y, ast.Store()), ast.Name(hidden, ast.Store())],
+                                      ast.Store())], _helper_call(self_name, attr, a, b))
+        result = ast.Assign([ast.Name(y, ast.Store())], ast.Name(_Y, ast.Load()))
+        block[i:j + 1] = [ast.copy_location(fused, block[i]), *block[i + 1:j],
+                          ast.copy_location(result, block[j])]
+
+
+class _PostNorm(ast.NodeTransformer):
+    """``self.N(A + B)`` (a post-norm block: BERT's ``self.LayerNorm(hidden_states +
+    input_tensor)``) becomes ``self._normkit_add_norm(self.N, A, B)[0]``; nested functions
+    and classes keep their code."""
+
+    def __init__(self, self_name, norms):
+        self.self_name, self.norms, self.sites = self_name, norms, []
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Attribute) and _name(node.func.value) == self.self_name \
+                and node.func.attr in self.norms and len(node.args) == 1 and \
+                not node.keywords and _add_of_names(node.args[0]):
+            a, b = _add_of_names(node.args[0])
+            self.sites.append((node.lineno, f"{a} + {b}", node.func.attr))
+            call = _helper_call(self.self_name, node.func.attr, a, b)
+            return ast.copy_location(ast.Subscript(call, ast.Constant(0), ast.Load()), node)
+        return node
+
+    def _keep(self, node):
+        return node
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = _keep
 
 
 # ---------------------------------------------------------------- the new forward
@@ -198,8 +250,8 @@ def _chain(fn):
 
 
 def _compiled(inner, norms):
-    """The fused version of the plain function ``inner`` and the attributes it fuses, or
-    the reason there is none."""
+    """The fused version of the plain function ``inner`` and its sites ``("a + b", norm
+    attribute)`` in source order, or the reason there is none."""
     if inner.__code__.co_freevars:
         return f"its forward is a closure (free variables {inner.__code__.co_freevars})"
     try:
@@ -211,11 +263,16 @@ def _compiled(inner, norms):
     if not isinstance(fn_def, ast.FunctionDef) or fn_def.name != inner.__name__:
         return "the source of its forward is not a plain def"
     found, misses = _windows(fn_def, norms)
-    if not found:
+    self_name = fn_def.args.args[0].arg if fn_def.args.args else None
+    sites = [(block[i].lineno, f"{a} + {b}", attr) for block, i, _, _, a, b, _, attr in found]
+    _rewrite(found, self_name)
+    post = _PostNorm(self_name, norms)
+    fn_def.body = [post.visit(stmt) for stmt in fn_def.body]
+    sites = sorted(sites + post.sites)
+    if not sites:
         return "; ".join(misses) if misses else (
             "no residual add directly before a norm call (`h = a + b; r = h; "
-            "h = self.norm(h)`) in its forward")
-    _rewrite(found)
+            "y = self.norm(h)` or `self.norm(a + b)`) in its forward")
     fn_def.decorator_list = []
     for arg in fn_def.args.posonlyargs + fn_def.args.args + fn_def.args.kwonlyargs + \
             [fn_def.args.vararg, fn_def.args.kwarg]:
@@ -232,7 +289,7 @@ def _compiled(inner, norms):
     new.__annotations__ = dict(inner.__annotations__)
     new.__qualname__, new.__doc__, new.__module__ = inner.__qualname__, inner.__doc__, \
         inner.__module__
-    return new, sorted({w[-1] for w in found})
+    return new, [site[1:] for site in sites]
 
 
 def _rewrapped(wrapper, old, new):
@@ -258,8 +315,8 @@ def _rewrapped(wrapper, old, new):
 
 
 def _fused_forward(kind, norms):
-    """``(forward, attributes fused)`` for instances of ``kind`` whose children ``norms``
-    are normkit norms, or the reason there is none."""
+    """``(forward, sites)`` for instances of ``kind`` whose children ``norms`` are normkit
+    norms (a site: ``("a + b", norm attribute)``), or the reason there is none."""
     forward = kind.forward
     if not isinstance(forward, types.FunctionType):
         return "its forward is not a Python function"
@@ -267,13 +324,13 @@ def _fused_forward(kind, norms):
     result = _compiled(chain[-1], norms)
     if isinstance(result, str):
         return result
-    new, attrs = result
+    new, sites = result
     for wrapper, old in zip(reversed(chain[:-1]), reversed(chain[1:])):
         new = _rewrapped(wrapper, old, new)
         if new is None:
             return (f"its forward is wrapped by {wrapper.__qualname__}, which does not keep "
                     f"the function in its closure")
-    return new, attrs
+    return new, sites
 
 
 def candidates(model):
@@ -288,8 +345,8 @@ def candidates(model):
 
 
 def fuse(module, norms):
-    """Give ``module`` a class whose forward fuses the residual adds before ``norms``;
-    returns the fused attribute names, or the reason nothing was fused (a str)."""
+    """Give ``module`` a class whose forward fuses the adds before its ``norms``; returns
+    the fused sites ``("a + b", norm attribute)``, or the reason there is none (a str)."""
     if is_fused(module):
         return []
     if "forward" in vars(module):
@@ -300,11 +357,12 @@ def fuse(module, norms):
     result = _FORWARDS[kind, norms]
     if isinstance(result, str):
         return result
-    forward, attrs = result
-    module.__class__ = derived_class(f"fused_{'_'.join(attrs)}", kind, (kind,),
+    forward, sites = result
+    role = "fused_" + "_".join(sorted({attr for _, attr in sites}))
+    module.__class__ = derived_class(role, kind, (kind,),
                                      lambda: {"forward": forward, _HELPER: staticmethod(add_norm),
                                               "_normkit_fused_from": kind})
-    return attrs
+    return sites
 
 
 def is_fused(module) -> bool:

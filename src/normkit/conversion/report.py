@@ -25,11 +25,11 @@ class ConversionReport:
     left : list of (name, type name, reason)
         Norm-like modules left as they were, with the reason.
     fused : list of (name, type name, how)
-        With ``fuse_residual=True``: one entry per residual add fused into the norm call
-        after it (``revert``: one per module whose class was given back).
+        With ``fuse_residual=True``: one entry per add fused into the norm call after it
+        (``revert``: one per module whose class was given back).
     unfused : list of (name, type name, reason)
-        With ``fuse_residual=True``: modules with normkit norm children in which no
-        residual add was fused, with the reason.
+        With ``fuse_residual=True``: modules with normkit norm children in which no add
+        was fused, with the reason.
     """
 
     model: nn.Module
