@@ -171,7 +171,7 @@ def _windows(fn_def, norms):
     """``(block, i, j, hidden, a, b, y, attr)`` of each ``H = A + B; R = H ...; Y =
     self.N(H)`` (statements i..j, any number of copies ``R = H`` between) with ``N`` in
     ``norms``, and the reasons for the adds of other operands before such a call."""
-    self_name = fn_def.args.args[0].arg if fn_def.args.args else None
+    self_name = (fn_def.args.posonlyargs + fn_def.args.args)[0].arg
     found, misses = [], []
     for block in _blocks(fn_def):
         for i, stmt in enumerate(block):
@@ -179,8 +179,8 @@ def _windows(fn_def, norms):
             if not (add and isinstance(add[1], ast.BinOp) and isinstance(add[1].op, ast.Add)):
                 continue
             hidden, j = add[0], i + 1
-            while j < len(block) and (copy := _assign(block[j])) and copy[0] != hidden and \
-                    _name(copy[1]) == hidden:
+            while j < len(block) and (kept := _assign(block[j])) and kept[0] != hidden and \
+                    _name(kept[1]) == hidden:
                 j += 1
             call = _assign(block[j]) if j < len(block) else None
             target = _norm_call(call[1], self_name) if call else None
@@ -262,8 +262,10 @@ def _compiled(inner, norms):
     fn_def = tree.body[0]
     if not isinstance(fn_def, ast.FunctionDef) or fn_def.name != inner.__name__:
         return "the source of its forward is not a plain def"
+    if not fn_def.args.posonlyargs + fn_def.args.args:
+        return "its forward names no self argument"
     found, misses = _windows(fn_def, norms)
-    self_name = fn_def.args.args[0].arg if fn_def.args.args else None
+    self_name = (fn_def.args.posonlyargs + fn_def.args.args)[0].arg
     sites = [(block[i].lineno, f"{a} + {b}", attr) for block, i, _, _, a, b, _, attr in found]
     _rewrite(found, self_name)
     post = _PostNorm(self_name, norms)
