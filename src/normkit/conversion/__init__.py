@@ -16,8 +16,13 @@ on normkit, in place, and back.
 4. otherwise, if the module is norm-like (a torch norm subclass, or a class whose name
    contains ``Norm``), **leave** it and say why in the report.
 
+With ``fuse_residual=True`` it then **fuses** each add that directly precedes a norm call
+in a forward (``h = a + b; r = h; h = self.norm(h)`` in a decoder layer, ``self.norm(a +
+b)`` in a post-norm block) into one ``add_rms_norm`` / ``add_layer_norm`` call, where that
+equals the unfused code (``fuse``).
+
 ``revert`` undoes each: swapped modules are rebuilt as the original class around the same
-tensors, routed ones get their class back.
+tensors, routed and fused ones get their class back.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 from torch import nn
 
 import normkit.nn as nknn
-from normkit.conversion import llm, route, swap
+from normkit.conversion import fuse, llm, route, swap
 from normkit.conversion.classes import qualified
 from normkit.conversion.report import ConversionReport
 
@@ -44,7 +49,7 @@ def _convert_one(name, module, report):
     kind = type(module)
     pairs = swap.table()
     found = swap.torch_base(kind, pairs)
-    if route.is_routed(module) or isinstance(module, _NORMKIT_BASES):
+    if route.is_routed(module) or fuse.is_fused(module) or isinstance(module, _NORMKIT_BASES):
         return None
     if found is not None:
         src, dst, args = found
@@ -86,6 +91,9 @@ def _convert_one(name, module, report):
 def _revert_one(name, module, report):
     pairs = [(dst, src, args) for src, dst, args in swap.table()]
     kind = type(module)
+    if fuse.is_fused(module):
+        report.fused.append((name, qualified(kind), f"class {fuse.unfuse(module)} restored"))
+        return None
     if route.is_routed(module):
         report.routed.append((name, qualified(kind), f"class {route.unroute(module)} restored"))
         return None
@@ -127,10 +135,28 @@ def _walk(model, one):
     return report
 
 
-def convert(model: nn.Module) -> ConversionReport:
+def _fuse_residual(report):
+    for name, module, norms in fuse.candidates(report.model):
+        kind = qualified(type(module))
+        result = fuse.fuse(module, norms)
+        if isinstance(result, str):
+            report.unfused.append((name, kind, result))
+        for add, attr in result if not isinstance(result, str) else ():
+            op = "add_rms_norm" if isinstance(getattr(module, attr), nknn.RMSNorm) else \
+                "add_layer_norm"
+            report.fused.append((name, kind, f"{add}, then {attr} -> {op}"))
+
+
+def convert(model: nn.Module, *, fuse_residual: bool = False) -> ConversionReport:
     """Run every normalization in ``model`` on normkit, in place: swap torch.nn norm
     layers (and their plain subclasses, and language models' RMSNorm classes) for normkit
     layers, route the norm calls of subclasses with their own forward; report the rest.
+
+    ``fuse_residual=True`` also fuses each add that directly precedes a norm call in a
+    module's forward (``h = a + b; r = h; h = self.norm(h)``, the pre-norm decoder layer;
+    ``self.norm(a + b)``) into ``add_rms_norm`` / ``add_layer_norm``, where that equals the
+    unfused code (see ``normkit.conversion.fuse``); ``report.fused`` lists each fused add,
+    ``report.unfused`` the modules with normkit norms where none was, and why.
 
     Returns a ``ConversionReport``; ``report.model`` is the converted model (``model``
     itself unless ``model`` is a single normalization layer).
@@ -145,12 +171,18 @@ def convert(model: nn.Module) -> ConversionReport:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}; "
                         f"pass the model itself")
-    return _walk(model, _convert_one)
+    if not isinstance(fuse_residual, bool):
+        raise TypeError(f"convert expects fuse_residual to be True or False, got "
+                        f"{fuse_residual!r}")
+    report = _walk(model, _convert_one)
+    if fuse_residual:
+        _fuse_residual(report)
+    return report
 
 
 def revert(model: nn.Module) -> ConversionReport:
     """Undo ``convert``: normkit layers become the torch (or model) classes they were
-    swapped from, routed modules get their class back."""
+    swapped from, routed and fused modules get their class back."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"revert expects a torch.nn.Module, got {type(model).__name__}; "
                         f"pass the model itself")

@@ -24,12 +24,20 @@ class ConversionReport:
         class is a routed subclass; ``revert`` restores the class).
     left : list of (name, type name, reason)
         Norm-like modules left as they were, with the reason.
+    fused : list of (name, type name, how)
+        With ``fuse_residual=True``: one entry per add fused into the norm call after it
+        (``revert``: one per module whose class was given back).
+    unfused : list of (name, type name, reason)
+        With ``fuse_residual=True``: modules with normkit norm children in which no add
+        was fused, with the reason.
     """
 
     model: nn.Module
     swapped: list = field(default_factory=list)
     routed: list = field(default_factory=list)
     left: list = field(default_factory=list)
+    fused: list = field(default_factory=list)
+    unfused: list = field(default_factory=list)
 
     @property
     def skipped(self) -> list:
@@ -39,7 +47,11 @@ class ConversionReport:
     def __str__(self) -> str:
         lines = [f"swapped {len(self.swapped)} module(s), routed {len(self.routed)}, "
                  f"left {len(self.left)}"]
+        if self.fused or self.unfused:
+            lines[0] += f", fused {len(self.fused)} residual add(s), unfused {len(self.unfused)}"
         lines += [f"  swapped {n or '<root>'}: {a} -> {b}" for n, a, b in self.swapped]
         lines += [f"  routed {n or '<root>'} ({t}): {how}" for n, t, how in self.routed]
         lines += [f"  left {n or '<root>'} ({t}): {why}" for n, t, why in self.left]
+        lines += [f"  fused {n or '<root>'} ({t}): {how}" for n, t, how in self.fused]
+        lines += [f"  unfused {n or '<root>'} ({t}): {why}" for n, t, why in self.unfused]
         return "\n".join(lines)

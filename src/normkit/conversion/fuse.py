@@ -1,0 +1,377 @@
+r"""Fusing an add into the norm after it: ``convert(model, fuse_residual=True)``.
+
+A pre-norm transformer block (transformers' ``LlamaDecoderLayer`` and its many copies)
+adds a branch to the residual stream and normalizes the sum at once::
+
+    hidden_states = residual + hidden_states      # h = a + b
+    residual = hidden_states                      # the stream goes on with h
+    hidden_states = self.post_attention_layernorm(hidden_states)
+
+``normkit.functional.add_rms_norm`` / ``add_layer_norm`` compute the pair :math:`(y, h) =
+(\mathrm{norm}(a + b),\ a + b)` in one call (one kernel each way on CUDA, where the sum is
+written once and read no extra time; ``h = a + b`` then the norm elsewhere).
+
+The patterns are found in the *source* of the module's ``forward``, in any block of the
+function, names only, ``N`` a child that ``convert`` made a normkit ``RMSNorm`` or
+``LayerNorm``:
+
+* ``H = A + B``, any number of copies ``R = H``, then ``Y = self.N(H)`` (pre-norm: the
+  Llama layer above, ViT's ``layernorm_after``; BERT's embeddings): the add becomes
+  ``_normkit_y, H = self._normkit_add_norm(self.N, A, B)``, the copies stay, the norm
+  call becomes ``Y = _normkit_y``;
+* ``self.N(A + B)`` anywhere in an expression (post-norm: BERT's ``self.LayerNorm(
+  hidden_states + input_tensor)``) becomes ``self._normkit_add_norm(self.N, A, B)[0]``.
+
+The rest of the function is the same syntax tree, compiled with the original file name,
+line numbers and globals (read, never written). Decorators that keep the function in
+their closure (transformers' ``deprecate_kwarg``) are rebuilt around the new function.
+The module gets a class derived for it with that ``forward`` and ``_normkit_add_norm =
+add_norm``; nothing global is patched, and ``revert`` gives the class back.
+
+``add_norm`` decides per call, and runs ``h = A + B; y = self.N(h)`` (the unfused
+code) whenever the fused call could differ:
+
+* ``A``, ``B`` not tensors of one dtype, device and shape (``A + B`` would broadcast or
+  promote), the norm not (any more) a plain normkit ``RMSNorm``/``LayerNorm``, or the
+  norm with hooks (a fused call would bypass them);
+* an RMSNorm casting rule the fused op cannot reproduce: it normalizes :math:`h` with
+  fp32 statistics (fp64 for fp64) and casts :math:`\hat h` once to :math:`h`'s dtype, so
+  it serves ``casting="torch"`` (the weight inside), ``"llama"`` in fp32/bf16/fp16
+  (whose rule is exactly that cast, then ``w *``), and fp32 inputs of ``"gemma"``,
+  fp32/fp64 of ``"t5"`` (no cast at all); Gemma's rule in bf16/fp16 multiplies by
+  ``1 + w`` in fp32 before its cast, and ``"llama"``/``"gemma"`` normalize an fp64 input
+  in fp32: those stay unfused.
+
+The memory-saving backward is never used here (it recomputes :math:`\hat h` from the
+output, which changes gradients by rounding), so forward and backward are the unfused
+model's, bit for bit on CPU, where ``add_*`` is the add followed by the same norm op.
+On CUDA the fused kernels round as their own reductions do; they are checked against
+torch within the tolerances of ``tests/test_gpu_kernels.py``, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import __future__
+import ast
+import functools
+import inspect
+import operator
+import textwrap
+import types
+
+import torch
+from torch.nn.modules import module as torch_module
+
+import normkit.nn as nknn
+from normkit import functional as nF
+from normkit.conversion.classes import derived_class
+from normkit.rms_casting import normalize_dtype, scale_and_cast
+
+__all__ = ["add_norm", "candidates", "fuse", "is_fused", "unfuse"]
+
+_HELPER, _Y = "_normkit_add_norm", "_normkit_y"
+_FORWARDS: dict = {}
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# the ``from __future__`` flags a recompiled function keeps from the original
+_FUTURE_FLAGS = functools.reduce(operator.or_, (getattr(__future__, f).compiler_flag
+                                                for f in __future__.all_feature_names))
+
+
+def _fusable_norm(norm) -> bool:
+    """A normkit RMSNorm / LayerNorm running its own class's forward, without hooks of
+    its own or global ones (``register_module_forward_hook``)."""
+    kind = type(norm)
+    if isinstance(norm, nknn.RMSNorm):
+        plain = kind.forward is nknn.RMSNorm.forward
+    elif isinstance(norm, nknn.LayerNorm):
+        plain = kind.forward is nknn.LayerNorm.forward
+    else:
+        return False
+    hooks = [getattr(norm, h) for h in _HOOKS] + [getattr(torch_module, "_global" + h)
+                                                  for h in _HOOKS]
+    return plain and "forward" not in vars(norm) and not any(hooks)
+
+
+def add_norm(norm, a, b):
+    """``(norm(a + b), a + b)``, one ``add_rms_norm`` / ``add_layer_norm`` call where that
+    equals the unfused code, else the unfused code itself."""
+    same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+        a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
+    if not (same and _fusable_norm(norm)):
+        h = a + b
+        return norm(h), h
+    if isinstance(norm, nknn.LayerNorm):
+        return nF.add_layer_norm(a, b, norm.normalized_shape, norm.weight, norm.bias,
+                                 norm.eps, memory_saving=False)
+    eps = norm.eps if norm.eps is not None else torch.finfo(a.dtype).eps
+    casting, offset, weight = norm.casting, norm.offset, norm.weight
+    if casting == "torch":                               # the weight inside, as rms_norm
+        weight = weight if not offset else offset + weight
+        return nF.add_rms_norm(a, b, norm.normalized_shape, weight, eps, memory_saving=False)
+    # the fused op's statistics are fp32 (fp64 for fp64); its x_hat is cast to a's dtype
+    model_dtype = normalize_dtype(a, casting)
+    if torch.promote_types(a.dtype, torch.float32) != model_dtype or \
+            (casting != "llama" and a.dtype != model_dtype):
+        h = a + b             # e.g. Gemma's bf16 rule scales in fp32, then casts: not one op
+        return norm(h), h
+    x_hat, h = nF.add_rms_norm(a, b, norm.normalized_shape, None, eps, memory_saving=False)
+    return scale_and_cast(x_hat, a.dtype, weight, offset, casting), h
+
+
+# ---------------------------------------------------------------- the source pattern
+
+
+def _name(node):
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _assign(stmt):
+    """``(target name, value)`` of ``NAME = value``, else None."""
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and _name(stmt.targets[0]):
+        return stmt.targets[0].id, stmt.value
+    return None
+
+
+def _norm_call(value, self_name):
+    """``(attribute, argument name)`` of ``self.N(NAME)``, else None."""
+    if isinstance(value, ast.Call) and not value.keywords and len(value.args) == 1 and \
+            isinstance(value.func, ast.Attribute) and _name(value.func.value) == self_name \
+            and _name(value.args[0]):
+        return value.func.attr, value.args[0].id
+    return None
+
+
+def _blocks(node):
+    """Every statement list in the function, not those of nested functions or classes."""
+    for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+        block = getattr(node, field, None)
+        if isinstance(block, list):
+            if block and isinstance(block[0], ast.stmt):
+                yield block
+            for child in block:
+                if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                                          ast.Lambda)):
+                    yield from _blocks(child)
+
+
+def _add_of_names(value):
+    """``(A, B)`` of ``A + B`` with two names, else None."""
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and \
+            _name(value.left) and _name(value.right):
+        return value.left.id, value.right.id
+    return None
+
+
+def _first_line(stmt):
+    line = ast.unparse(stmt).splitlines()[0]
+    return line if len(line) <= 80 else line[:77] + "..."
+
+
+def _windows(fn_def, norms):
+    """``(block, i, j, hidden, a, b, y, attr)`` of each ``H = A + B; R = H ...; Y =
+    self.N(H)`` (statements i..j, any number of copies ``R = H`` between) with ``N`` in
+    ``norms``, and the reasons for the adds of other operands before such a call."""
+    self_name = (fn_def.args.posonlyargs + fn_def.args.args)[0].arg
+    found, misses = [], []
+    for block in _blocks(fn_def):
+        for i, stmt in enumerate(block):
+            add = _assign(stmt)
+            if not (add and isinstance(add[1], ast.BinOp) and isinstance(add[1].op, ast.Add)):
+                continue
+            hidden, j = add[0], i + 1
+            while j < len(block) and (kept := _assign(block[j])) and kept[0] != hidden and \
+                    _name(kept[1]) == hidden:
+                j += 1
+            call = _assign(block[j]) if j < len(block) else None
+            target = _norm_call(call[1], self_name) if call else None
+            if not (target and target[1] == hidden and target[0] in norms):
+                continue
+            operands = _add_of_names(add[1])
+            if operands is None:
+                misses.append(f"before {target[0]}, `{_first_line(stmt)}` is not an add of "
+                              f"two names")
+                continue
+            found.append((block, i, j, hidden, *operands, call[0], target[0]))
+    return found, misses
+
+
+def _helper_call(self_name, attr, a, b):
+    """``self._normkit_add_norm(self.N, A, B)``."""
+    return ast.Call(ast.Attribute(ast.Name(self_name, ast.Load()), _HELPER, ast.Load()),
+                    [ast.Attribute(ast.Name(self_name, ast.Load()), attr, ast.Load()),
+                     ast.Name(a, ast.Load()), ast.Name(b, ast.Load())], [])
+
+
+def _rewrite(found, self_name):
+    """Replace each window by ``_normkit_y, H = self._normkit_add_norm(self.N, A, B)``,
+    the copies, ``Y = _normkit_y`` (last first, so the indices of a block stay valid)."""
+    for block, i, j, hidden, a, b, y, attr in sorted(found, key=lambda w: -w[1]):
+        fused = ast.Assign([ast.Tuple([ast.Name(_Y, ast.Store()), ast.Name(hidden, ast.Store())],
+                                      ast.Store())], _helper_call(self_name, attr, a, b))
+        result = ast.Assign([ast.Name(y, ast.Store())], ast.Name(_Y, ast.Load()))
+        block[i:j + 1] = [ast.copy_location(fused, block[i]), *block[i + 1:j],
+                          ast.copy_location(result, block[j])]
+
+
+class _PostNorm(ast.NodeTransformer):
+    """``self.N(A + B)`` (a post-norm block: BERT's ``self.LayerNorm(hidden_states +
+    input_tensor)``) becomes ``self._normkit_add_norm(self.N, A, B)[0]``; nested functions
+    and classes keep their code."""
+
+    def __init__(self, self_name, norms):
+        self.self_name, self.norms, self.sites = self_name, norms, []
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Attribute) and _name(node.func.value) == self.self_name \
+                and node.func.attr in self.norms and len(node.args) == 1 and \
+                not node.keywords and _add_of_names(node.args[0]):
+            a, b = _add_of_names(node.args[0])
+            self.sites.append((node.lineno, f"{a} + {b}", node.func.attr))
+            call = _helper_call(self.self_name, node.func.attr, a, b)
+            return ast.copy_location(ast.Subscript(call, ast.Constant(0), ast.Load()), node)
+        return node
+
+    def _keep(self, node):
+        return node
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = _keep
+
+
+# ---------------------------------------------------------------- the new forward
+
+
+def _chain(fn):
+    """``fn`` and the functions its decorators wrap, outermost first."""
+    chain = [fn]
+    while isinstance(getattr(chain[-1], "__wrapped__", None), types.FunctionType):
+        chain.append(chain[-1].__wrapped__)
+    return chain
+
+
+def _compiled(inner, norms):
+    """The fused version of the plain function ``inner`` and its sites ``("a + b", norm
+    attribute)`` in source order, or the reason there is none."""
+    if inner.__code__.co_freevars:
+        return f"its forward is a closure (free variables {inner.__code__.co_freevars})"
+    try:
+        lines, first = inspect.getsourcelines(inner)
+    except (OSError, TypeError) as err:
+        return f"the source of its forward is not available ({err})"
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    fn_def = tree.body[0]
+    if not isinstance(fn_def, ast.FunctionDef) or fn_def.name != inner.__name__:
+        return "the source of its forward is not a plain def"
+    if not fn_def.args.posonlyargs + fn_def.args.args:
+        return "its forward names no self argument"
+    found, misses = _windows(fn_def, norms)
+    self_name = (fn_def.args.posonlyargs + fn_def.args.args)[0].arg
+    sites = [(block[i].lineno, f"{a} + {b}", attr) for block, i, _, _, a, b, _, attr in found]
+    _rewrite(found, self_name)
+    post = _PostNorm(self_name, norms)
+    fn_def.body = [post.visit(stmt) for stmt in fn_def.body]
+    sites = sorted(sites + post.sites)
+    if not sites:
+        return "; ".join(misses) if misses else (
+            "no residual add directly before a norm call (`h = a + b; r = h; "
+            "y = self.norm(h)` or `self.norm(a + b)`) in its forward")
+    fn_def.decorator_list = []
+    for arg in fn_def.args.posonlyargs + fn_def.args.args + fn_def.args.kwonlyargs + \
+            [fn_def.args.vararg, fn_def.args.kwarg]:
+        if arg is not None:
+            arg.annotation = None            # kept from the original, never re-evaluated
+    fn_def.returns = None
+    ast.increment_lineno(tree, first - 1)
+    code = compile(ast.fix_missing_locations(tree), inner.__code__.co_filename, "exec",
+                   flags=inner.__code__.co_flags & _FUTURE_FLAGS, dont_inherit=True)
+    local = {}           # the function is defined here, its globals are the original's
+    exec(code, inner.__globals__, local)    # noqa: S102 -- its own source, rewritten
+    new = local[fn_def.name]
+    new.__defaults__, new.__kwdefaults__ = inner.__defaults__, inner.__kwdefaults__
+    new.__annotations__ = dict(inner.__annotations__)
+    new.__qualname__, new.__doc__, new.__module__ = inner.__qualname__, inner.__doc__, \
+        inner.__module__
+    return new, [site[1:] for site in sites]
+
+
+def _rewrapped(wrapper, old, new):
+    """``wrapper`` rebuilt with its closure cell holding ``old`` now holding ``new``."""
+    cells = wrapper.__closure__ or ()
+
+    def holds(cell):
+        try:
+            return cell.cell_contents is old
+        except ValueError:                     # an empty cell
+            return False
+
+    if not any(holds(c) for c in cells):
+        return None
+    closure = tuple(types.CellType(new) if holds(c) else c for c in cells)
+    rebuilt = types.FunctionType(wrapper.__code__, wrapper.__globals__, wrapper.__name__,
+                                 wrapper.__defaults__, closure)
+    rebuilt.__kwdefaults__ = wrapper.__kwdefaults__
+    rebuilt.__dict__.update(vars(wrapper))
+    rebuilt.__wrapped__ = new
+    rebuilt.__qualname__, rebuilt.__doc__ = wrapper.__qualname__, wrapper.__doc__
+    return rebuilt
+
+
+def _fused_forward(kind, norms):
+    """``(forward, sites)`` for instances of ``kind`` whose children ``norms`` are normkit
+    norms (a site: ``("a + b", norm attribute)``), or the reason there is none."""
+    forward = kind.forward
+    if not isinstance(forward, types.FunctionType):
+        return "its forward is not a Python function"
+    chain = _chain(forward)
+    result = _compiled(chain[-1], norms)
+    if isinstance(result, str):
+        return result
+    new, sites = result
+    for wrapper, old in zip(reversed(chain[:-1]), reversed(chain[1:])):
+        new = _rewrapped(wrapper, old, new)
+        if new is None:
+            return (f"its forward is wrapped by {wrapper.__qualname__}, which does not keep "
+                    f"the function in its closure")
+    return new, sites
+
+
+def candidates(model):
+    """``(name, module, norm attribute names)`` of the modules with normkit norm children."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nknn.RMSNorm, nknn.LayerNorm)):
+            continue
+        norms = {n for n, child in module.named_children()
+                 if isinstance(child, (nknn.RMSNorm, nknn.LayerNorm))}
+        if norms:
+            yield name, module, norms
+
+
+def fuse(module, norms):
+    """Give ``module`` a class whose forward fuses the adds before its ``norms``; returns
+    the fused sites ``("a + b", norm attribute)``, or the reason there is none (a str)."""
+    if is_fused(module):
+        return []
+    if "forward" in vars(module):
+        return "its forward is set on the instance"
+    kind, norms = type(module), frozenset(norms)
+    if (kind, norms) not in _FORWARDS:              # parsed and compiled once per class
+        _FORWARDS[kind, norms] = _fused_forward(kind, norms)
+    result = _FORWARDS[kind, norms]
+    if isinstance(result, str):
+        return result
+    forward, sites = result
+    role = "fused_" + "_".join(sorted({attr for _, attr in sites}))
+    module.__class__ = derived_class(role, kind, (kind,),
+                                     lambda: {"forward": forward, _HELPER: staticmethod(add_norm),
+                                              "_normkit_fused_from": kind})
+    return sites
+
+
+def is_fused(module) -> bool:
+    return "_normkit_fused_from" in vars(type(module))
+
+
+def unfuse(module) -> str:
+    """Give a fused module its own class back; returns that class's name."""
+    module.__class__ = type(module)._normkit_fused_from
+    return type(module).__qualname__
