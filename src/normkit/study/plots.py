@@ -90,7 +90,9 @@ def plot_batch_size(summary, protocol, path):
     ax.yaxis.set_major_formatter(matplotlib_ticker().FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_ylabel("test error (%), eval mode, log scale")
     n = len(protocol["seeds"])
-    ax.set_title(f"Test error vs batch size ({protocol['dataset']}, {protocol['train']['epochs']} epochs, "
+    t = protocol["train"]
+    floor = f", >= {t['min_steps']} steps" if t.get("min_steps") else ""
+    ax.set_title(f"Test error vs batch size ({protocol['dataset']}, {t['epochs']} epochs{floor}, "
                  f"mean ± std of {n} seed{'s' if n > 1 else ''})", fontsize=10)
     ax.legend(fontsize=8, ncol=2)
     _save(plt, fig, path)
