@@ -133,7 +133,7 @@ def _protocol_blocks(results, summary) -> list:
             f"uses min(8, C) groups, InstanceNorm has affine=True.",
             f"Budget: {t['epochs']} epoch(s) for every batch size, so batch B takes {t['epochs']} x "
             f"floor({p['train_images']} / B) steps"
-            + (f", but at least {t['min_steps']} (more passes over the data for the large batches)"
+            + (f", but at least {t['min_steps']}, passing over the data again for the large batches"
                if t.get("min_steps") else "") + " (from "
             + ", ".join(f"{summary[first][str(b)]['steps']} at {b}" for b in bs if str(b) in summary[first]) + ").",
             f"Optimizer: SGD, momentum {t['momentum']}, weight decay {t['weight_decay']}; learning rate by the "
