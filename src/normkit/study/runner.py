@@ -9,8 +9,9 @@ default the batch size is swept for the methods whose result can depend on it --
 BatchNorm and BatchRenorm, with GroupNorm as the batch-independent reference, as in the
 GroupNorm paper's Figure 1 -- while the other methods (none, LayerNorm, InstanceNorm,
 RMSNorm) run at the smallest, the reference (32) and the largest batch. That keeps the
-default MNIST-1D study within ten minutes on two cores: a run's cost is dominated by its
-number of steps, and the smallest batch has the most.
+default MNIST-1D study near ten minutes on an idle 2-core machine (about 1100 CPU seconds
+at this version's speed; docs/study.md): a run's cost is dominated by its number of steps,
+and the smallest batch has the most.
 
 Reproducible: every run computes with one thread (torch and numba) in whichever process
 runs it, and its randomness comes from its seed alone, so the same command gives the same
