@@ -55,7 +55,8 @@ def test_results_cover_the_grid(quick):
     for x in r["runs"]:
         assert 0.0 <= x["test_error"] <= 1.0
         assert x["lr"] == pytest.approx(p["train"]["base_lr"] * x["batch_size"] / 32)
-        assert x["steps"] == p["train"]["epochs"] * (p["train_images"] // x["batch_size"])
+        assert x["steps"] == max(p["train"]["epochs"] * (p["train_images"] // x["batch_size"]),
+                                 p["train"]["min_steps"])
         if x["method"] in ("group", "layer", "instance", "rms", "none"):
             # batch-independent: same error in both modes, batch-mates change nothing
             assert x["test_error_train_mode"] == x["test_error"]
@@ -241,6 +242,22 @@ def test_same_seed_same_numbers():
     a = train.train_one(d, "group", 4, 3, cfg)
     b = train.train_one(d, "group", 4, 3, cfg)
     assert a["loss_curve"] == b["loss_curve"] and a["test_error"] == b["test_error"]
+
+
+def test_min_steps_passes_over_the_data_again():
+    # one epoch of 96 signals is 6 steps of 16; min_steps 20 makes it 20: two full passes
+    # (12 steps) and 8 steps of a third, each pass a fresh shuffle
+    assert train.run_steps(96, 16, 1, 20) == 20 and train.run_steps(96, 2, 1, 20) == 48
+    gen = torch.Generator().manual_seed(0)
+    batches = list(train._batches(96, 16, 20, gen))
+    assert len(batches) == 20 and all(len(b) == 16 for b in batches)
+    for first in (0, 6):
+        seen = torch.cat(batches[first:first + 6])
+        assert sorted(seen.tolist()) == list(range(96))  # a pass sees every signal once
+    assert not torch.equal(batches[0], batches[6])
+    d = data.load("mnist1d", 96, 32)
+    r = train.train_one(d, "batch", 16, 0, train.TrainConfig(epochs=1, min_steps=20))
+    assert r["steps"] == 20 and r["loss_curve"]["step"][-1] == 20
 
 
 def test_bad_arguments_say_what_to_do(tmp_path, capsys):

@@ -28,13 +28,17 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="a few seconds on a small subset (checks the pipeline)")
     p.add_argument("--methods", help="comma-separated, from: none, batch, batchrenorm, group, layer, instance, "
                                      "rms (default: all; --model vit: layer, rms, none, batch)")
-    p.add_argument("--batch-sizes", help="comma-separated (default 2,4,8,16,32,64; --quick: 4,16)")
+    p.add_argument("--batch-sizes", help="comma-separated (default: mnist1d 2,8,16,32,64, digits 2,4,8,16,32,64; "
+                                         "--quick: 4,16)")
     p.add_argument("--all-batches", action="store_true",
                    help="train every method at every batch size (default: only BatchNorm, BatchRenorm and "
                         "GroupNorm; the others at the smallest, 32 and the largest)")
     p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2; --quick: 0)")
     p.add_argument("--epochs", type=int, help="epochs for every batch size (default: mnist1d 1, digits 4; "
                                               "--quick: 1)")
+    p.add_argument("--min-steps", type=int, help="at least this many steps at every batch size, passing over "
+                                                 "the data again if one budget of epochs is fewer (default: "
+                                                 "mnist1d 1000, digits 0; --quick: 0)")
     p.add_argument("--lr", type=float, help="learning rate at batch 32, scaled linearly with the batch "
                                             "(default: mnist1d 0.1, digits 0.05)")
     p.add_argument("--jobs", type=int, help="worker processes (default: 2 or the number of CPUs if fewer; "
@@ -62,7 +66,7 @@ def run(args) -> int:
                             seeds=_ints(args.seeds) if args.seeds else None, epochs=args.epochs,
                             quick=args.quick, jobs=args.jobs, fresh=args.fresh,
                             progress=not args.no_progress, base_lr=args.lr, dataset=args.dataset,
-                            all_batches=args.all_batches)
+                            all_batches=args.all_batches, min_steps=args.min_steps)
     except ValueError as e:
         print(f"normkit study: {e}", file=sys.stderr)
         return 2

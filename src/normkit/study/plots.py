@@ -87,10 +87,15 @@ def plot_batch_size(summary, protocol, path):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     _per_method(ax, summary, protocol, bs, "test_error", 100)
     ax.set_yscale("log")  # methods at 1 % and at 40 % on one readable axis
-    ax.yaxis.set_major_formatter(matplotlib_ticker().FuncFormatter(lambda v, _: f"{v:g}"))
+    plain = matplotlib_ticker().FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)  # a range within one decade is labelled by minor ticks only
     ax.set_ylabel("test error (%), eval mode, log scale")
     n = len(protocol["seeds"])
-    ax.set_title(f"Test error vs batch size ({protocol['dataset']}, {protocol['train']['epochs']} epochs, "
+    t = protocol["train"]
+    floor = f", >= {t['min_steps']} steps" if t.get("min_steps") else ""
+    epochs = f"{t['epochs']} epoch{'s' if t['epochs'] != 1 else ''}"
+    ax.set_title(f"Test error vs batch size ({protocol['dataset']}, {epochs}{floor}, "
                  f"mean ± std of {n} seed{'s' if n > 1 else ''})", fontsize=10)
     ax.legend(fontsize=8, ncol=2)
     _save(plt, fig, path)

@@ -132,7 +132,9 @@ def _protocol_blocks(results, summary) -> list:
             f"Layers from {p['layer_source']}. LayerNorm and RMSNorm normalize (C, *S) per sample, GroupNorm "
             f"uses min(8, C) groups, InstanceNorm has affine=True.",
             f"Budget: {t['epochs']} epoch(s) for every batch size, so batch B takes {t['epochs']} x "
-            f"floor({p['train_images']} / B) steps (from "
+            f"floor({p['train_images']} / B) steps"
+            + (f", but at least {t['min_steps']}, passing over the data again for the large batches"
+               if t.get("min_steps") else "") + " (from "
             + ", ".join(f"{summary[first][str(b)]['steps']} at {b}" for b in bs if str(b) in summary[first]) + ").",
             f"Optimizer: SGD, momentum {t['momentum']}, weight decay {t['weight_decay']}; learning rate by the "
             f"linear scaling rule lr = {t['base_lr']} x B / {t['reference_batch']} (Goyal et al. 2017, as the "

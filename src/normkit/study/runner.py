@@ -9,8 +9,9 @@ default the batch size is swept for the methods whose result can depend on it --
 BatchNorm and BatchRenorm, with GroupNorm as the batch-independent reference, as in the
 GroupNorm paper's Figure 1 -- while the other methods (none, LayerNorm, InstanceNorm,
 RMSNorm) run at the smallest, the reference (32) and the largest batch. That keeps the
-default MNIST-1D study within ten minutes on two cores: a run's cost is dominated by its
-number of steps, and the smallest batch has the most.
+default MNIST-1D study near ten minutes on an idle 2-core machine (about 1100 CPU seconds
+at this version's speed; docs/study.md): a run's cost is dominated by its number of steps,
+and the smallest batch has the most.
 
 Reproducible: every run computes with one thread (torch and numba) in whichever process
 runs it, and its randomness comes from its seed alone, so the same command gives the same
@@ -27,7 +28,7 @@ from normkit._atomic import write_text_atomic
 from normkit.study import data as data_module
 from normkit.study import model as model_module
 from normkit.study.analysis import reference_batch
-from normkit.study.train import TrainConfig, train_one
+from normkit.study.train import TrainConfig, run_steps, train_one
 
 __all__ = ["DEFAULTS", "QUICK", "SWEPT", "SHIFT_METHODS", "plan", "run_study", "load_results",
            "RESULTS_FILE"]
@@ -36,15 +37,17 @@ RESULTS_FILE = "results.json"
 
 # per dataset; n_train / n_test None = the dataset's own split
 DEFAULTS = {
-    "mnist1d": dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=1, n_train=8000,
-                    n_test=5000, base_lr=0.1),
-    "digits": dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=4, n_train=None, n_test=None,
-                   base_lr=0.05),
+    "mnist1d": dict(batch_sizes=(2, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=1, min_steps=1000,
+                    n_train=20000, n_test=5000, base_lr=0.1),
+    "digits": dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=4, min_steps=0, n_train=None,
+                   n_test=None, base_lr=0.05),
 }
 # --quick: a few seconds, for tests and a first look; not meant to show anything
 QUICK = {
-    "mnist1d": dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, n_train=200, n_test=100, base_lr=0.1),
-    "digits": dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, n_train=192, n_test=96, base_lr=0.05),
+    "mnist1d": dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, min_steps=0, n_train=200, n_test=100,
+                    base_lr=0.1),
+    "digits": dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, min_steps=0, n_train=192, n_test=96,
+                   base_lr=0.05),
 }
 SWEPT = ("batch", "batchrenorm", "group")        # trained at every batch size by default
 SHIFT_METHODS = ("none", "batch", "group", "layer")  # whose covariate shift is recorded
@@ -166,7 +169,8 @@ MODELS = {
 
 
 def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, quick=False, jobs=None,
-              fresh=False, progress=True, base_lr=None, dataset="mnist1d", all_batches=False) -> dict:
+              fresh=False, progress=True, base_lr=None, dataset="mnist1d", all_batches=False,
+              min_steps=None) -> dict:
     """Train the grid, resuming from ``out_dir/results.json``; return the results dict
     (protocol, runs, elapsed time). The report is made separately (see ``report``)."""
     if dataset not in data_module.DATASETS:
@@ -181,11 +185,14 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
     batch_sizes = tuple(sorted(set(int(b) for b in (batch_sizes or base["batch_sizes"]))))
     seeds = tuple(int(s) for s in (seeds if seeds is not None else base["seeds"]))
     epochs = int(epochs or base["epochs"])
+    min_steps = int(base["min_steps"] if min_steps is None else min_steps)
     if min(batch_sizes) < 2:
         raise ValueError(f"batch sizes must be at least 2 (BatchNorm cannot normalize one image "
                          f"with a single value per channel); got {batch_sizes}")
     if epochs < 1:
         raise ValueError(f"--epochs must be at least 1, got {epochs}")
+    if min_steps < 0:
+        raise ValueError(f"--min-steps must be 0 or more, got {min_steps}")
     if jobs is None:
         jobs = 1 if quick else min(2, os.cpu_count() or 1)
 
@@ -194,7 +201,8 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
         "dataset": dataset,
         "n_train": base["n_train"], "n_test": base["n_test"],
         "train_images": int(len(data.y_train)), "test_images": int(len(data.y_test)),
-        "train": dict(TrainConfig(epochs=epochs, base_lr=float(base_lr or base["base_lr"]))),
+        "train": dict(TrainConfig(epochs=epochs, base_lr=float(base_lr or base["base_lr"]),
+                                  min_steps=min_steps)),
         "layer_source": model_module.layer_source(),
         "model": MODELS[dataset] + "; BatchRenorm warm-up 1/8, ramps 1/4 of the steps",
         "methods": list(methods), "batch_sizes": list(batch_sizes), "seeds": list(seeds),
@@ -214,7 +222,7 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
     todo = [t for t in plan(methods, batch_sizes, seeds, all_batches) if t not in runs]
     wanted = set(plan(methods, batch_sizes, seeds, all_batches))
     n_train = protocol["train_images"]
-    cost = {t: _cost(epochs * (n_train // t[1]), t[1]) for t in todo}
+    cost = {t: _cost(run_steps(n_train, t[1], epochs, min_steps), t[1]) for t in todo}
     results = {"normkit_study": 1, "protocol": protocol, "runs": [], "elapsed_seconds": 0.0}
     elapsed_before = float(old.get("elapsed_seconds", 0.0)) if old else 0.0
 

@@ -3,7 +3,9 @@
 Protocol (the same for every run)
 ---------------------------------
 * a fixed budget of ``epochs`` passes over the training set, so a batch of ``B`` images
-  takes ``epochs * floor(n_train / B)`` steps: small batches take many more steps;
+  takes ``epochs * floor(n_train / B)`` steps: small batches take many more steps -- but
+  never fewer than ``min_steps`` (more passes for the large batches, which would otherwise
+  stop after a few hundred steps, under-trained; see :func:`run_steps`);
 * SGD with momentum 0.9 and weight decay 5e-4; the learning rate follows the linear
   scaling rule of Goyal et al. (2017), as in the GroupNorm paper's batch-size study::
 
@@ -51,7 +53,7 @@ import torch.nn.functional as F
 from normkit.study.model import build_model
 from normkit.study.shift import ShiftRecorder
 
-__all__ = ["TrainConfig", "train_one", "fit", "evaluate", "learning_rate"]
+__all__ = ["TrainConfig", "train_one", "fit", "evaluate", "learning_rate", "run_steps"]
 
 REFERENCE_BATCH = 32  # the batch size at which lr == base_lr
 CURVE_POINTS = 60     # windows in a run's training-loss curve (at most)
@@ -61,10 +63,17 @@ class TrainConfig(dict):
     """The protocol's knobs, a plain dict so it goes into results.json as it is."""
 
     def __init__(self, epochs=4, base_lr=0.05, momentum=0.9, weight_decay=5e-4, warmup_fraction=0.25,
-                 eval_batch=256):
+                 eval_batch=256, min_steps=0):
         super().__init__(epochs=epochs, base_lr=base_lr, momentum=momentum, weight_decay=weight_decay,
                          warmup_fraction=warmup_fraction, eval_batch=eval_batch,
-                         reference_batch=REFERENCE_BATCH)
+                         reference_batch=REFERENCE_BATCH, min_steps=min_steps)
+
+
+def run_steps(n_train: int, batch_size: int, epochs: int, min_steps: int = 0) -> int:
+    """Steps of a run: ``epochs`` passes of ``floor(n_train / batch_size)`` batches, or
+    ``min_steps`` if that is more (the data are then passed over again, reshuffled, and
+    the last pass stops part-way)."""
+    return max(epochs * (n_train // batch_size), min_steps)
 
 
 def learning_rate(base_lr: float, batch_size: int) -> float:
@@ -156,13 +165,15 @@ def evaluate(model, x_test, y_test, batch_size: int, eval_batch: int, diverged: 
             "batch_dependence": _batch_dependence(model, x_test, batch_size)}
 
 
-def _epochs(n, batch_size, epochs, gen):
-    """Index batches: ``epochs`` passes over ``n`` samples, reshuffled each pass, the last
+def _batches(n, batch_size, total, gen):
+    """``total`` index batches: passes over ``n`` samples, reshuffled each pass, the last
     incomplete batch of a pass dropped."""
-    for _ in range(epochs):
+    step = 0
+    while step < total:
         order = torch.randperm(n, generator=gen)
-        for b in range(n // batch_size):
+        for b in range(min(n // batch_size, total - step)):
             yield order[b * batch_size:(b + 1) * batch_size]
+        step += n // batch_size
 
 
 def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig,
@@ -177,7 +188,7 @@ def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig
     if batch_size > n:
         raise ValueError(f"batch size {batch_size} is larger than the {n} training images; "
                          f"pass smaller --batch-sizes")
-    total = config["epochs"] * (n // batch_size)
+    total = run_steps(n, batch_size, config["epochs"], config.get("min_steps", 0))
     torch.manual_seed(seed)
     model = build_model(method, data.spatial, data.n_classes, total)
     warmup = min(total, max(1, round(config["warmup_fraction"] * total)))
@@ -187,7 +198,7 @@ def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig
     gen = torch.Generator().manual_seed(seed)
     recorder = ShiftRecorder(model, x_test, total) if record_shift else None
     step, diverged, curve_steps, curve_loss = fit(
-        model, opt, _epochs(n, batch_size, config["epochs"], gen), x_train, y_train, total, peak_lr, warmup,
+        model, opt, _batches(n, batch_size, total, gen), x_train, y_train, total, peak_lr, warmup,
         recorder.after_step if recorder is not None else None)
     out = {"method": method, "batch_size": batch_size, "seed": seed, "lr": peak_lr, "steps": step,
            "diverged": diverged,
