@@ -36,11 +36,14 @@ def test_large_outputs_advise_their_aligned_interior(monkeypatch):
     assert start <= addr < start + HUGE and end - HUGE < addr + n <= end
 
 
-def test_switched_off_by_the_environment():
+@pytest.mark.parametrize("setting", [None, "0", "1"])
+def test_opt_in_by_the_environment(setting):
+    # off unless NORMKIT_HUGE_PAGES=1 (and then only where THP is in madvise mode)
     code = ("from normkit.backends import _memory; import sys; "
-            "sys.exit(0 if not _memory.huge_pages_advised() else 1)")
-    env = {"NORMKIT_HUGE_PAGES": "0", "PATH": ""}
-    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+            "sys.exit(10 + _memory.huge_pages_advised())")
+    env = {"PATH": ""} if setting is None else {"NORMKIT_HUGE_PAGES": setting, "PATH": ""}
+    advised = setting == "1" and "[madvise]" in _memory.thp_mode() and sys.platform == "linux"
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 10 + advised
 
 
 @pytest.mark.skipif(_memory._MINCORE is None, reason="mincore is Linux-only")

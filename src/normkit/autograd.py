@@ -66,17 +66,13 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
     with ``y`` in ``x``'s shape (and memory layout); ``stats=False``: the caller uses ``y``
     alone, ``mean`` and ``var`` may be None. ``y`` is never a view of ``x``, so callers
     may modify it in place."""
-    shape = x.shape
-    same = shape == grouping.view
-    xv = x if same else x.reshape(grouping.view)
     if ops.decomposing():
-        y, mean, _, var = torch_ops.forward(xv, grouping, weight, bias, eps, center,
-                                            fixed_mean, fixed_rstd)
-    else:
-        y, mean, _, var = ops.norm_forward(xv, grouping, weight, bias, eps, center,
-                                           fixed_mean, fixed_rstd, stats,
-                                           None if same else shape)
-    return (y if y.shape == shape else y.reshape(shape)), mean, var
+        y, mean, _, var = torch_ops.forward(x.reshape(grouping.view), grouping, weight, bias,
+                                            eps, center, fixed_mean, fixed_rstd)
+        return y.reshape(x.shape), mean, var
+    y, mean, _, var = ops.norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
+                                       fixed_rstd, stats)
+    return y, mean, var
 
 
 class AddNormFunction(torch.autograd.Function):

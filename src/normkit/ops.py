@@ -182,55 +182,61 @@ class NormFunction(torch.autograd.Function):
     """The autograd of ``norm_forward``: saves the input, the weight and the fp32 (fp64)
     ``mean`` and ``rstd`` -- ``xhat`` is recomputed -- and runs ``norm_backward``.
 
-    ``apply(x, weight, bias, grouping, eps, center, mean, rstd, stats, shape=None)``
-    returns ``y``; the statistics ``(mean, rstd, var)``, never differentiable, are
+    ``apply(x, weight, bias, grouping, eps, center, mean, rstd, stats)`` returns ``y``
+    in ``x``'s shape; the statistics ``(mean, rstd, var)``, never differentiable, are
     appended to the list ``stats`` (one output instead of four: each output of an
     ``autograd.Function`` costs a few microseconds per call, a noticeable share on a small
-    tensor). ``shape``: return ``y`` in this shape (the caller's, before the view) as a
-    tensor of its own rather than a view of the Function's output, so that an in-place
-    op on it (ResNet's ``hidden += residual``) does not make autograd copy it back
-    through the view on every backward.
-    In plain eager mode both directions run the backend's plan directly.
+    tensor). ``x`` may come in any shape with the view's number of elements: the view is
+    taken inside, where autograd records nothing (no view node each way), and ``y`` goes
+    out as a tensor of its own, not a view of the Function's output, so that an in-place
+    op on it (ResNet's ``hidden += residual``) does not make autograd copy it back through
+    a view on every backward. In plain eager mode both directions run the backend's plan
+    directly.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, grouping, eps, center, mean, rstd, stats, shape=None):
+    def forward(ctx, x, weight, bias, grouping, eps, center, mean, rstd, stats):
         fixed = mean is not None
         ctx.plan = None
+        shape = x.shape
+        ctx.reshaped = shape != grouping.view
+        xv = x.reshape(grouping.view) if ctx.reshaped else x
         if plain_eager(x):
-            ctx.plan = backends.plan(x, grouping, center, fixed)
-            y, mean_out, rstd_out, var = ctx.plan.forward(x, weight, bias, eps, mean, rstd)
+            ctx.plan = backends.plan(xv, grouping, center, fixed)
+            y, mean_out, rstd_out, var = ctx.plan.forward(xv, weight, bias, eps, mean, rstd)
         else:
             with torch._C._AutoDispatchBelowAutograd():
-                y, mean_out, rstd_out, var = _forward_op(x, weight, bias,
+                y, mean_out, rstd_out, var = _forward_op(xv, weight, bias,
                                                          *grouping_args(grouping), eps,
                                                          center, mean, rstd)
         stats += (mean_out, rstd_out, var)
-        ctx.save_for_backward(x, weight, mean if fixed else mean_out,
+        ctx.save_for_backward(x, weight, mean if fixed else mean_out,   # x: double backward
                               rstd if fixed else rstd_out)
         ctx.grouping, ctx.eps, ctx.center, ctx.fixed = grouping, eps, center, fixed
         ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
-        ctx.reshaped = shape is not None
         if ctx.reshaped:   # an alias autograd does not track as a view
+            ctx.shape = shape
             y = torch.ops.aten._unsafe_view(y, shape)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, weight, mean, rstd = ctx.saved_tensors
+        xv, weight, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         if ctx.reshaped:
             grad_y = grad_y.reshape(ctx.grouping.view)
+            xv = xv.reshape(ctx.grouping.view)
         if ctx.plan is not None and not torch.is_grad_enabled() and plain_eager(grad_y):
-            dx, dw, db = ctx.plan.backward(grad_y, x, mean, rstd, weight, needs)
+            dx, dw, db = ctx.plan.backward(grad_y, xv, mean, rstd, weight, needs)
         else:
-            dx, dw, db = _backward_op(grad_y, x, mean, rstd, weight,
+            dx, dw, db = _backward_op(grad_y, xv, mean, rstd, weight,
                                       *grouping_args(ctx.grouping), ctx.eps, ctx.center,
                                       ctx.fixed, list(needs))
         grouping = ctx.grouping
+        dx = (dx.reshape(ctx.shape) if ctx.reshaped else dx) if needs[0] else None
         dw = _to_param(dw, weight.shape, weight.dtype, grouping) if needs[1] else None
         db = _to_param(db, *ctx.bias_meta, grouping) if needs[2] else None
-        return (dx if needs[0] else None), dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _forward_autograd(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
@@ -276,26 +282,32 @@ def plain_eager(x) -> bool:
 
 
 def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mean=None,
-                 rstd=None, keep_stats=True, shape=None):
-    """``torch.ops.normkit.norm_forward`` over ``grouping``; ``x`` already viewed as
-    ``grouping.view``. Returns ``(y, mean, rstd, var)`` (with fixed statistics, the given
-    ``mean`` and ``rstd`` and ``var = None`` in eager mode, empty tensors when traced;
-    ``keep_stats=False``: the caller wants ``y`` alone, statistics may be None). With
-    ``shape`` (the input's shape before the view) ``y`` may come back in that shape: it
-    does where autograd records the op (see ``NormFunction``).
+                 rstd=None, keep_stats=True):
+    """``torch.ops.normkit.norm_forward`` over ``grouping`` for ``x`` in any shape with the
+    view's number of elements. Returns ``(y, mean, rstd, var)`` with ``y`` in ``x``'s
+    shape (with fixed statistics: the given ``mean`` and ``rstd`` and ``var = None`` in
+    eager mode, empty tensors when traced; ``keep_stats=False``: the caller wants ``y``
+    alone, the statistics may be None).
 
     In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
     and runs what they would run: ``NormFunction`` when an input requires a gradient,
-    the backend's plan otherwise. Traced, it is the operator call."""
+    the backend's plan otherwise. Traced, it is the operator call on the view."""
     if plain_eager(x):
         if _needs_grad(x, weight, bias):
             stats = []
-            y = NormFunction.apply(x, weight, bias, grouping, eps, center, mean, rstd, stats,
-                                   shape)
+            y = NormFunction.apply(x, weight, bias, grouping, eps, center, mean, rstd, stats)
             return (y, *stats)
-        return backends.plan(x, grouping, center, mean is not None).forward(
-            x, weight, bias, eps, mean, rstd, keep_stats)
-    return _forward_op(x, weight, bias, *grouping_args(grouping), eps, center, mean, rstd)
+        shape = x.shape
+        if shape == grouping.view:
+            return backends.plan(x, grouping, center, mean is not None).forward(
+                x, weight, bias, eps, mean, rstd, keep_stats)
+        xv = x.reshape(grouping.view)
+        y, *stats = backends.plan(xv, grouping, center, mean is not None).forward(
+            xv, weight, bias, eps, mean, rstd, keep_stats)
+        return (y.reshape(shape), *stats)
+    y, *stats = _forward_op(x.reshape(grouping.view), weight, bias, *grouping_args(grouping),
+                            eps, center, mean, rstd)
+    return (y.reshape(x.shape), *stats)
 
 
 def norm_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs):

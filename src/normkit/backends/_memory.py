@@ -9,11 +9,13 @@ large new output ``MADV_HUGEPAGE`` before anything touches it, so it faults 2 Mi
 time (``docs/performance.md`` has the measurement). torch does the same for its own
 allocations with ``THP_MEM_ALLOC_ENABLE=1``.
 
-The advice changes no value and no layout; it is skipped for outputs under 8 MiB, off
-Linux, when huge pages are ``never`` (nothing to gain) or ``always`` (already used), and
-when ``NORMKIT_HUGE_PAGES=0`` is set in the environment (for machines where huge-page
-faults cost more than they save, e.g. with heavily fragmented memory and synchronous
-compaction).
+The advice is opt-in: ``NORMKIT_HUGE_PAGES=1`` in the environment. It wins for one large
+op called again and again (the op benchmarks), but in a whole model it lost: converted
+ResNet-18 training at batch 16, 224 px spent about 300 ms more system time per step with
+it (the huge-page faults' zeroing and compaction), 1.23x torch.nn's step time against
+about 1.0x without (``docs/performance.md``, "Whole models"). It changes no value and no
+layout; it is skipped for outputs under 8 MiB, off Linux, and when huge pages are
+``never`` (nothing to gain) or ``always`` (already used).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def thp_mode() -> str:
 
 def _madvise():
     """libc's ``madvise`` where advising huge pages can help, else None."""
-    if sys.platform != "linux" or os.environ.get("NORMKIT_HUGE_PAGES", "1") == "0":
+    if sys.platform != "linux" or os.environ.get("NORMKIT_HUGE_PAGES", "0") != "1":
         return None
     if "[madvise]" not in thp_mode():
         return None

@@ -33,12 +33,13 @@ import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from normkit.backends.cpu.half import accumulate, like, load
+from normkit.backends.cpu.half import accumulate, like, load, store
 from normkit.backends.cpu.moments import plane_merge
 from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.stores import fence, store_affine_scalar, store_dx_rows_planes
 
-__all__ = ["channels_backward", "channels_forward", "planes_backward", "planes_forward"]
+__all__ = ["channels_backward", "channels_forward", "channels_small", "planes_backward",
+           "planes_forward"]
 
 
 @register_jitable
@@ -194,3 +195,41 @@ def channels_backward(g, x, w, stats, block, center, fixed, dx, sums, stream, lo
                                      (x[0, 0, :0], x[0, 0, :0]), stream)
     if stream:
         fence()
+
+
+@njit(**JIT)
+def channels_small(x, y, w, b, eps, fixed, stats, lo, hi):
+    """BatchNorm forward on small planes (``tuning.SMALL_PLANE``): the channels [lo, hi) of
+    x: (N, C, S), each by a two-pass over its N planes in float64 (or the given
+    statistics), then ``y = ((x - x0) - (mean - x0)) * (rstd * w) + b`` -- the formula of
+    ``channels_forward`` -- in one plain loop: none of the per-plane machinery (moment
+    merges, prefetch, streamed stores), whose fixed cost dominates planes of a few dozen
+    elements. stats per channel, (C,)."""
+    mean, rstd, var = stats
+    n_, c_, s_ = x.shape
+    count = n_ * s_
+    for c in range(lo, hi):
+        x0 = load(x[0, c], 0)                                      # the channel's shift
+        if fixed:
+            mean_x0, rs = like(mean, mean[c] - x0), rstd[c]
+        else:
+            total = 0.0
+            for n in range(n_):
+                xr = x[n, c]
+                for i in range(s_):
+                    total = accumulate(total, np.float64(load(xr, i) - x0))
+            mean64 = total / count
+            m2 = 0.0
+            for n in range(n_):
+                xr = x[n, c]
+                for i in range(s_):
+                    d = np.float64(load(xr, i) - x0) - mean64
+                    m2 = accumulate(m2, d * d)
+            v = m2 / count
+            mean_x0, rs = like(mean, mean64), like(mean, 1.0 / math.sqrt(v + eps))
+            mean[c], rstd[c], var[c] = x0 + mean64, rs, v
+        scale, shift = rs * w[c], b[c]
+        for n in range(n_):
+            xr, yr = x[n, c], y[n, c]
+            for i in range(s_):
+                store(yr, i, ((load(xr, i) - x0) - mean_x0) * scale + shift)

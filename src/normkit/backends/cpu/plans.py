@@ -161,6 +161,7 @@ class PlanesPlan(_ChannelsPlan):
     def __init__(self, x, grouping, center, fixed):
         super().__init__(x, grouping, center, fixed)
         self.by_channel = grouping.kind == "batch"
+        self.small = self.by_channel and self.s < tuning.SMALL_PLANE
         self.units = self.c if self.by_channel else self.n * self.groups
         # (no larger than C: each kernel call allocates its per-block scratch)
         self.block = min(self.c, tuning.channel_block(self.n * self.s * self.itemsize))
@@ -178,7 +179,10 @@ class PlanesPlan(_ChannelsPlan):
         else:
             tensors, arrays = self.stats(keep_stats)
         stream = tuning.stream_out(y)
-        if self.by_channel:
+        if self.small:
+            self.run(planes.channels_small, self.units, np_view(x3), np_view(y3), w, b,
+                     float(eps), self.fixed, arrays)
+        elif self.by_channel:
             self.run(planes.channels_forward, self.units, np_view(x3), np_view(y3), w, b,
                      float(eps), self.block, self.fixed, arrays, stream)
         else:

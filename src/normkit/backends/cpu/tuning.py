@@ -96,6 +96,12 @@ def rows_ahead(k, itemsize):
 CHANNEL_BLOCK_BYTES = 4 << 20
 
 
+#: elements: BatchNorm planes smaller than this run ``planes.channels_small`` (one plain
+#: loop per channel) instead of the blocked per-plane kernel, whose fixed cost per plane
+#: (moment merge, store driver) outweighs the arithmetic of a plane of a few dozen elements
+SMALL_PLANE = 256
+
+
 def channel_block(channel_bytes):
     """Channels per block of the NCHW BatchNorm kernels: about ``CHANNEL_BLOCK_BYTES``."""
     return max(1, CHANNEL_BLOCK_BYTES // channel_bytes)
