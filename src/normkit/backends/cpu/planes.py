@@ -38,8 +38,8 @@ from normkit.backends.cpu.moments import plane_merge
 from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.stores import fence, store_affine_scalar, store_dx_rows_planes
 
-__all__ = ["channels_backward", "channels_forward", "channels_small", "planes_backward",
-           "planes_forward"]
+__all__ = ["channels_backward", "channels_forward", "channels_small",
+           "channels_small_backward", "planes_backward", "planes_forward"]
 
 
 @register_jitable
@@ -233,3 +233,29 @@ def channels_small(x, y, w, b, eps, fixed, stats, lo, hi):
             xr, yr = x[n, c], y[n, c]
             for i in range(s_):
                 store(yr, i, ((load(xr, i) - x0) - mean_x0) * scale + shift)
+
+
+@njit(**JIT)
+def channels_small_backward(g, x, w, stats, center, fixed, dx, sums, lo, hi):
+    """BatchNorm backward on small planes: per channel, the per-plane sums of g and
+    g * xhat (written to sums = (sg, sgx): (N, C), as ``channels_backward`` writes them),
+    then ``dx = (g * w - c_mean - xhat * c_var) * rstd`` (``stores.dx_rows_planes``) in
+    one plain loop. stats = (mean, rstd) per channel."""
+    mean, rstd = stats
+    sg, sgx = sums
+    n_, c_, s_ = x.shape
+    count = n_ * s_
+    for c in range(lo, hi):
+        mu, rs, wc = mean[c], rstd[c], w[c]
+        tgx, tg = 0.0, 0.0
+        for n in range(n_):
+            a, q = _plane_sums(g[n, c], x[n, c], mu, rs, mean)
+            sg[n, c], sgx[n, c] = a, q
+            tgx += q
+            tg += a
+        c_var = like(mean, 0.0 if fixed else wc * tgx / count)
+        c_mean = like(mean, wc * tg / count if center and not fixed else 0.0)
+        for n in range(n_):
+            gr, xr, dr = g[n, c], x[n, c], dx[n, c]
+            for i in range(s_):
+                store(dr, i, (load(gr, i) * wc - c_mean - ((load(xr, i) - mu) * rs) * c_var) * rs)

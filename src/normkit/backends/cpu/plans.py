@@ -201,7 +201,10 @@ class PlanesPlan(_ChannelsPlan):
         sums = np.empty((2, n, c), dtype=self.st)
         w = self.param(weight, self.ones)
         stream = tuning.stream_out(dx)
-        if self.by_channel:
+        if self.small:
+            self.run(planes.channels_small_backward, c, np_view(g3), np_view(x3), w, stats,
+                     self.center, self.fixed, np_view(dx), (sums[0], sums[1]))
+        elif self.by_channel:
             self.run(planes.channels_backward, c, np_view(g3), np_view(x3), w, stats,
                      self.block_bwd, self.center, self.fixed, np_view(dx), (sums[0], sums[1]),
                      stream)
