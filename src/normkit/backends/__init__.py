@@ -32,7 +32,8 @@ Backends are tried in order; ``torch_ops`` (a composite of torch ops, any device
 supports everything and is the fallback. ``plan`` below is what the operators call: the
 backend's plan for one (grouping, dtype, device, strides, centering, fixed statistics,
 thread count), chosen and built once and then looked up, so a call on a small tensor
-pays for none of the choosing (see ``docs/performance.md``, "Per-call cost").
+pays for none of the choosing (``docs/performance.md``, "Whole models and the per-call
+cost").
 """
 
 from __future__ import annotations

@@ -10,12 +10,11 @@ time (``docs/performance.md`` has the measurement). torch does the same for its 
 allocations with ``THP_MEM_ALLOC_ENABLE=1``.
 
 The advice is opt-in: ``NORMKIT_HUGE_PAGES=1`` in the environment. It wins for one large
-op called again and again (the op benchmarks), but in a whole model it lost: converted
-ResNet-18 training at batch 16, 224 px spent about 300 ms more system time per step with
-it (the huge-page faults' zeroing and compaction), 1.23x torch.nn's step time against
-about 1.0x without (``docs/performance.md``, "Whole models"). It changes no value and no
-layout; it is skipped for outputs under 8 MiB, off Linux, and when huge pages are
-``never`` (nothing to gain) or ``always`` (already used).
+op called again and again (the op benchmarks), but it lost in whole models, where each
+step maps its large blocks anew and the huge-page faults' zeroing and compaction cost
+more system time than they save (``docs/performance.md``, "Whole models and the per-call
+cost"). It changes no value and no layout; it is skipped for outputs under 8 MiB, off
+Linux, and when huge pages are ``never`` (nothing to gain) or ``always`` (already used).
 """
 
 from __future__ import annotations

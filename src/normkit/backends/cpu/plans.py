@@ -5,8 +5,8 @@ centering, fixed statistics, thread count) is seen, and kept: it holds everythin
 depends only on those -- the kernel family, sizes, block and prefetch choices, the thread
 split, the defaults for a missing weight or bias -- so that a call does only what depends
 on the data: allocate the outputs, take NumPy views of the tensors (no copy) and launch.
-On a small tensor the Python around the kernel is most of the time (see
-``docs/performance.md``, "Per-call cost"), so that is where this matters.
+On a small tensor the Python around the kernel is most of the time (``docs/performance.md``,
+"Whole models and the per-call cost"), so that is where this matters.
 
 ``RowsPlan``          LayerNorm/RMSNorm on contiguous (M, K)               (``rows``)
 ``PlanesPlan``        Batch/Instance/GroupNorm on contiguous NCHW planes   (``planes``)
@@ -14,8 +14,8 @@ On a small tensor the Python around the kernel is most of the time (see
 
 Every plan has ``forward(x, weight, bias, eps, mean=None, rstd=None, keep_stats=True) ->
 (y, mean, rstd, var)`` (statistics None with ``keep_stats=False``) and ``backward(grad,
-x, mean, rstd, weight, needs) -> (dx, dweight, dbias)`` with the meaning of the backend interface (``normkit.backends``); ``y`` and ``dx`` are laid
-out as ``torch.empty_like(x)``.
+x, mean, rstd, weight, needs) -> (dx, dweight, dbias)`` with the meaning of the backend
+interface (``normkit.backends``); ``y`` and ``dx`` are laid out as ``torch.empty_like(x)``.
 """
 
 from __future__ import annotations
