@@ -17,21 +17,12 @@ import time
 import torch
 
 import normkit
+from normkit.bench.models import llm
 
 
 def build(family, hidden, layers, dtype):
-    import transformers
-
-    config_cls = {"llama": transformers.LlamaConfig, "gemma": transformers.GemmaConfig}[family]
-    model_cls = {"llama": transformers.LlamaForCausalLM,
-                 "gemma": transformers.GemmaForCausalLM}[family]
-    heads = hidden // 64
-    config = config_cls(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
-                        num_hidden_layers=layers, num_attention_heads=heads,
-                        num_key_value_heads=heads, head_dim=64, vocab_size=8192,
-                        max_position_embeddings=4096)
     torch.manual_seed(0)
-    return model_cls(config).to(dtype)
+    return llm(family, hidden, layers).to(dtype)
 
 
 def step(model, opt, ids):

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-__all__ = ["MODELS", "CALLS", "run_models", "run_calls", "format_models", "format_calls"]
+__all__ = ["MODELS", "CALLS", "llm", "run_models", "run_calls", "format_models", "format_calls"]
 
 
 # ---------------------------------------------------------------------------- models
@@ -55,7 +55,9 @@ def _study_cnn():
     return model
 
 
-def _llm(family, hidden=1024, layers=2):
+def llm(family, hidden=1024, layers=2):
+    """A Llama- or Gemma-style causal LM from a config (``benchmarks/bench_llm_train.py``
+    and the ``llama``/``gemma`` rows): 64-wide heads, MLP about 8/3 of hidden."""
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "gemma": transformers.GemmaConfig}[family]
@@ -65,7 +67,7 @@ def _llm(family, hidden=1024, layers=2):
     config = config_cls(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
                         num_hidden_layers=layers, num_attention_heads=heads,
                         num_key_value_heads=heads, head_dim=64, vocab_size=8192,
-                        max_position_embeddings=1024)
+                        max_position_embeddings=4096)
     return model_cls(config)
 
 
@@ -90,9 +92,9 @@ MODELS = {
     "study-cnn-b32": ("the study's digits CNN, batch 32",
                       _study_cnn, lambda: _images(32, 8, 1), ("train", "infer")),
     "llama": ("LlamaForCausalLM, hidden 1024, 2 layers, seq 512, batch 2",
-              lambda: _llm("llama"), lambda: _tokens(2, 512), ("train",)),
+              lambda: llm("llama"), lambda: _tokens(2, 512), ("train",)),
     "gemma": ("GemmaForCausalLM, hidden 1024, 2 layers, seq 512, batch 2",
-              lambda: _llm("gemma"), lambda: _tokens(2, 512), ("train",)),
+              lambda: llm("gemma"), lambda: _tokens(2, 512), ("train",)),
 }
 QUICK_MODELS = ("study-cnn-b2",)
 
