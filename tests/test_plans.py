@@ -207,6 +207,46 @@ def test_bench_models_rejects_unknown_names(capsys):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16],
                          ids=str)
+@pytest.mark.parametrize("name", ["group", "instance", "instance_running"])
+def test_group_and_instance_norm_both_sides_of_the_small_plane_threshold(name, dtype,
+                                                                         monkeypatch):
+    # Instance/GroupNorm planes under tuning.SMALL_PLANE run planes_small*: torch's results
+    # either way; with fixed statistics (running ones in eval) the same bits
+    from normkit.backends.cpu import tuning
+
+    make = {"group": lambda m: m.GroupNorm(3, 6),
+            "instance": lambda m: m.InstanceNorm2d(6, affine=True),
+            "instance_running": lambda m: m.InstanceNorm2d(6, affine=True,
+                                                           track_running_stats=True)}[name]
+    torch.manual_seed(0)
+    x = (torch.randn(3, 6, 5, 7, dtype=torch.float64) * 3 + 40).to(dtype)
+    g = torch.randn(x.shape).to(dtype)
+    results = {}
+    for small in (1 << 30, 0):
+        monkeypatch.setattr(tuning, "SMALL_PLANE", small)
+        backends.clear_plans()
+        ours, theirs = _layer_pair(make)
+        ours, theirs = ours.to(dtype), theirs.to(dtype)
+        if name == "instance_running":
+            for m in (ours, theirs):
+                m.running_mean.uniform_(-1, 1), m.running_var.uniform_(0.5, 2)
+            theirs.load_state_dict(ours.state_dict())
+            ours.eval(), theirs.eval()
+        got, want = _fwd_bwd(ours, x, g), _fwd_bwd(theirs, x, g)
+        assert_close(got[0], want[0], dtype, msg=f"y, SMALL_PLANE={small}")
+        assert_close(got[1], want[1], dtype, grad=True, msg=f"dx, SMALL_PLANE={small}")
+        for p, q in zip(got[2], want[2]):
+            assert_close(p, q, dtype, grad=True, msg=f"dparam, SMALL_PLANE={small}")
+        results[small] = got
+    if name == "instance_running":
+        assert torch.equal(results[0][0], results[1 << 30][0])
+    # the backward formula is the same either side: the same dx for the same statistics
+    if name == "instance_running":
+        assert torch.equal(results[0][1], results[1 << 30][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16],
+                         ids=str)
 @pytest.mark.parametrize("training", [True, False])
 def test_batch_norm_both_sides_of_the_small_plane_threshold(dtype, training, monkeypatch):
     # planes under tuning.SMALL_PLANE run channels_small, the others channels_forward: the

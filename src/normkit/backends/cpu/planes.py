@@ -39,7 +39,8 @@ from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.stores import fence, store_affine_scalar, store_dx_rows_planes
 
 __all__ = ["channels_backward", "channels_forward", "channels_small",
-           "channels_small_backward", "planes_backward", "planes_forward"]
+           "channels_small_backward", "planes_backward", "planes_forward", "planes_small",
+           "planes_small_backward"]
 
 
 @register_jitable
@@ -257,5 +258,69 @@ def channels_small_backward(g, x, w, stats, center, fixed, dx, sums, lo, hi):
         c_mean = like(mean, wc * tg / count if center and not fixed else 0.0)
         for n in range(n_):
             gr, xr, dr = g[n, c], x[n, c], dx[n, c]
+            for i in range(s_):
+                store(dr, i, (load(gr, i) * wc - c_mean - ((load(xr, i) - mu) * rs) * c_var) * rs)
+
+
+@njit(**JIT)
+def planes_small(x, y, w, b, eps, groups, fixed, stats, lo, hi):
+    """Instance/GroupNorm forward on small planes (``tuning.SMALL_PLANE``): the units
+    [lo, hi) (sample, group) of x: (N, C, S), each by a two-pass over its C/groups planes
+    in float64 (or the given statistics), then the formula of ``planes_forward`` in one
+    plain loop. stats per unit, (N * groups,)."""
+    mean, rstd, var = stats
+    n_, c_, s_ = x.shape
+    cg = c_ // groups
+    count = cg * s_
+    for u in range(lo, hi):
+        n, c0 = u // groups, (u % groups) * cg
+        x0 = load(x[n, c0], 0)                                     # shift of the unit
+        if fixed:
+            mean_x0, rs = like(mean, mean[u] - x0), rstd[u]
+        else:
+            total = 0.0
+            for c in range(c0, c0 + cg):
+                xr = x[n, c]
+                for i in range(s_):
+                    total = accumulate(total, np.float64(load(xr, i) - x0))
+            mean64 = total / count
+            m2 = 0.0
+            for c in range(c0, c0 + cg):
+                xr = x[n, c]
+                for i in range(s_):
+                    d = np.float64(load(xr, i) - x0) - mean64
+                    m2 = accumulate(m2, d * d)
+            v = m2 / count
+            mean_x0, rs = like(mean, mean64), like(mean, 1.0 / math.sqrt(v + eps))
+            mean[u], rstd[u], var[u] = x0 + mean64, rs, v
+        for c in range(c0, c0 + cg):
+            scale, shift = rs * w[c], b[c]
+            xr, yr = x[n, c], y[n, c]
+            for i in range(s_):
+                store(yr, i, ((load(xr, i) - x0) - mean_x0) * scale + shift)
+
+
+@njit(**JIT)
+def planes_small_backward(g, x, w, stats, groups, center, fixed, dx, sums, lo, hi):
+    """Instance/GroupNorm backward on small planes: the per-plane sums and coefficients of
+    ``planes_backward``, then its dx formula in one plain loop per plane."""
+    mean, rstd = stats
+    sg, sgx = sums
+    n_, c_, s_ = x.shape
+    cg = c_ // groups
+    count = cg * s_
+    for u in range(lo, hi):
+        n, c0 = u // groups, (u % groups) * cg
+        mu, rs = mean[u], rstd[u]
+        wsgx, wsg = 0.0, 0.0
+        for c in range(c0, c0 + cg):
+            a, q = _plane_sums(g[n, c], x[n, c], mu, rs, mean)
+            sg[n, c], sgx[n, c] = a, q
+            wsgx += w[c] * q
+            wsg += w[c] * a
+        c_var = like(mean, 0.0 if fixed else wsgx / count)
+        c_mean = like(mean, wsg / count if center and not fixed else 0.0)
+        for c in range(c0, c0 + cg):
+            gr, xr, dr, wc = g[n, c], x[n, c], dx[n, c], w[c]
             for i in range(s_):
                 store(dr, i, (load(gr, i) * wc - c_mean - ((load(xr, i) - mu) * rs) * c_var) * rs)

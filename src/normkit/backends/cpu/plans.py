@@ -161,7 +161,7 @@ class PlanesPlan(_ChannelsPlan):
     def __init__(self, x, grouping, center, fixed):
         super().__init__(x, grouping, center, fixed)
         self.by_channel = grouping.kind == "batch"
-        self.small = self.by_channel and self.s < tuning.SMALL_PLANE
+        self.small = self.s < tuning.SMALL_PLANE
         self.units = self.c if self.by_channel else self.n * self.groups
         # (no larger than C: each kernel call allocates its per-block scratch)
         self.block = min(self.c, tuning.channel_block(self.n * self.s * self.itemsize))
@@ -179,9 +179,12 @@ class PlanesPlan(_ChannelsPlan):
         else:
             tensors, arrays = self.stats(keep_stats)
         stream = tuning.stream_out(y)
-        if self.small:
+        if self.small and self.by_channel:
             self.run(planes.channels_small, self.units, np_view(x3), np_view(y3), w, b,
                      float(eps), self.fixed, arrays)
+        elif self.small:
+            self.run(planes.planes_small, self.units, np_view(x3), np_view(y3), w, b,
+                     float(eps), self.groups, self.fixed, arrays)
         elif self.by_channel:
             self.run(planes.channels_forward, self.units, np_view(x3), np_view(y3), w, b,
                      float(eps), self.block, self.fixed, arrays, stream)
@@ -201,9 +204,13 @@ class PlanesPlan(_ChannelsPlan):
         sums = np.empty((2, n, c), dtype=self.st)
         w = self.param(weight, self.ones)
         stream = tuning.stream_out(dx)
-        if self.small:
+        if self.small and self.by_channel:
             self.run(planes.channels_small_backward, c, np_view(g3), np_view(x3), w, stats,
                      self.center, self.fixed, np_view(dx), (sums[0], sums[1]))
+        elif self.small:
+            self.run(planes.planes_small_backward, n * self.groups, np_view(g3), np_view(x3),
+                     w, stats, self.groups, self.center, self.fixed, np_view(dx),
+                     (sums[0], sums[1]))
         elif self.by_channel:
             self.run(planes.channels_backward, c, np_view(g3), np_view(x3), w, stats,
                      self.block_bwd, self.center, self.fixed, np_view(dx), (sums[0], sums[1]),

@@ -96,9 +96,9 @@ def rows_ahead(k, itemsize):
 CHANNEL_BLOCK_BYTES = 4 << 20
 
 
-#: elements: BatchNorm planes smaller than this run ``planes.channels_small`` and
-#: ``channels_small_backward`` (plain loops per channel) instead of the blocked per-plane
-#: kernels, whose fixed cost per plane
+#: elements: NCHW planes smaller than this run ``planes.channels_small*`` (BatchNorm) and
+#: ``planes_small*`` (Instance/GroupNorm), plain loops per channel or unit, instead of the
+#: per-plane kernels, whose fixed cost per plane
 #: (moment merge, store driver) outweighs the arithmetic of a plane of a few dozen elements
 SMALL_PLANE = 256
 
