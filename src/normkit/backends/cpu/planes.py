@@ -66,6 +66,26 @@ def _plane_sums(gb, xb, mu, rs, sdt):
     return sg, sgx
 
 
+@register_jitable
+def _unit_coefs(g, x, w, n, c0, cg, stat, flags, sums, sdt):
+    """(c_var, c_mean) of the unit of planes (n, c0 .. c0 + cg) of g, x: (N, C, S), its
+    per-plane sums written to sums = (sg, sgx): (N, C); stat = (mean, rstd) of the unit,
+    flags = (center, fixed)."""
+    mu, rs = stat
+    center, fixed = flags
+    sg, sgx = sums
+    count = cg * x.shape[2]
+    wsgx, wsg = 0.0, 0.0
+    for c in range(c0, c0 + cg):
+        a, q = _plane_sums(g[n, c], x[n, c], mu, rs, sdt)
+        sg[n, c], sgx[n, c] = a, q
+        wsgx += w[c] * q
+        wsg += w[c] * a
+    c_var = like(sdt, 0.0 if fixed else wsgx / count)
+    c_mean = like(sdt, wsg / count if center and not fixed else 0.0)
+    return c_var, c_mean
+
+
 @njit(**JIT)
 def planes_forward(x, y, w, b, eps, groups, fixed, stats, out, lo, hi):
     """Instance/GroupNorm: normalize the units [lo, hi) (sample, group) of x: (N, C, S),
@@ -101,22 +121,14 @@ def planes_backward(g, x, w, stats, groups, center, fixed, dx, sums, out, lo, hi
     """Instance/GroupNorm: dx of the units [lo, hi) of x, g: (N, C, S); stats =
     (mean, rstd) per unit; sums = (sg, sgx) written per plane."""
     mean, rstd = stats
-    sg, sgx = sums
     stream, ahead = out
     n_, c_, s_ = x.shape
     cg = c_ // groups
-    count = cg * s_
     for u in range(lo, hi):
         n, c0 = u // groups, (u % groups) * cg
         mu, rs = mean[u], rstd[u]
-        wsgx, wsg = 0.0, 0.0
-        for c in range(c0, c0 + cg):
-            a, q = _plane_sums(g[n, c], x[n, c], mu, rs, mean)
-            sg[n, c], sgx[n, c] = a, q
-            wsgx += w[c] * q
-            wsg += w[c] * a
-        c_var = like(mean, 0.0 if fixed else wsgx / count)
-        c_mean = like(mean, wsg / count if center and not fixed else 0.0)
+        c_var, c_mean = _unit_coefs(g, x, w, n, c0, cg, (mu, rs), (center, fixed), sums,
+                                    mean)
         for c in range(c0, c0 + cg):                               # unit still in L2
             first, last = n * c_ + c0 + cg, hi * cg - 1
             ahead_planes = (_plane_ahead(g, n, c, ahead, first, last),
@@ -305,21 +317,13 @@ def planes_small_backward(g, x, w, stats, groups, center, fixed, dx, sums, lo, h
     """Instance/GroupNorm backward on small planes: the per-plane sums and coefficients of
     ``planes_backward``, then its dx formula in one plain loop per plane."""
     mean, rstd = stats
-    sg, sgx = sums
     n_, c_, s_ = x.shape
     cg = c_ // groups
-    count = cg * s_
     for u in range(lo, hi):
         n, c0 = u // groups, (u % groups) * cg
         mu, rs = mean[u], rstd[u]
-        wsgx, wsg = 0.0, 0.0
-        for c in range(c0, c0 + cg):
-            a, q = _plane_sums(g[n, c], x[n, c], mu, rs, mean)
-            sg[n, c], sgx[n, c] = a, q
-            wsgx += w[c] * q
-            wsg += w[c] * a
-        c_var = like(mean, 0.0 if fixed else wsgx / count)
-        c_mean = like(mean, wsg / count if center and not fixed else 0.0)
+        c_var, c_mean = _unit_coefs(g, x, w, n, c0, cg, (mu, rs), (center, fixed), sums,
+                                    mean)
         for c in range(c0, c0 + cg):
             gr, xr, dr, wc = g[n, c], x[n, c], dx[n, c], w[c]
             for i in range(s_):
