@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import normkit.backends as dispatch
 from normkit.backends import fused_kernels_cover
 from normkit.backends.cpu import _cache
 
@@ -77,13 +78,17 @@ def plan(x, grouping, center=True, fixed=False):
     return _FAMILIES[layout(x, grouping)](x, grouping, center, fixed)
 
 
+# the module-level interface (the residual-add norms, SyncBatchNorm) runs the cached plans
+# of the dispatch point, not a plan built afresh per call
+
 def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
-    return plan(x, grouping, center, mean is not None).forward(x, weight, bias, eps, mean,
-                                                               rstd)
+    return dispatch.plan(x, grouping, center, mean is not None).forward(x, weight, bias, eps,
+                                                                        mean, rstd)
 
 
 def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
-    return plan(x, grouping, center, fixed).backward(grad, x, mean, rstd, weight, needs)
+    return dispatch.plan(x, grouping, center, fixed).backward(grad, x, mean, rstd, weight,
+                                                              needs)
 
 
 _BUFFER = {torch.float32: np.float32, torch.float64: np.float64}
