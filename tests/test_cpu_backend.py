@@ -11,7 +11,7 @@ import normkit.functional as NF  # noqa: E402
 from normkit import backends  # noqa: E402
 from normkit import grouping as G  # noqa: E402
 from normkit.backends import cpu, torch_ops  # noqa: E402
-from normkit.backends.cpu import rows  # noqa: E402
+from normkit.backends.cpu import entries  # noqa: E402
 
 
 def test_dispatch_picks_the_numba_backend_on_cpu():
@@ -40,13 +40,13 @@ def test_layout_names_the_kernel_family():
 
 def test_functional_runs_the_numba_kernels(monkeypatch):
     calls = []
-    real = rows.rows_forward
+    real = entries.rows_forward
 
     def spy(*args):
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(rows, "rows_forward", spy)
+    monkeypatch.setattr(entries, "rows_forward", spy)
     NF.layer_norm(torch.randn(3, 7), [7])
     assert calls
 

@@ -7,6 +7,8 @@ takes and which kernel family runs them; the modules below do the rest:
 
 ``plans``          per family, what is decided once per shape (sizes, blocks, threads)
                    and what each call does: allocate, view, launch
+``entries``        the kernels as the plans call them: tensors passed by address and
+                   rebuilt as arrays inside compiled code (``address``)
 ``half``           loads and stores of every storage type (bfloat16/float16 in registers)
 ``stores``         the output formulas, each written once, stored plainly or streamed,
                    with prefetch: one driver for every kernel
@@ -18,8 +20,9 @@ takes and which kernel family runs them; the modules below do the rest:
 ``planes``         Batch/Instance/GroupNorm on contiguous NCHW
 ``channels_last``  Batch/Instance/GroupNorm on channels_last (the per-(n, c) family)
 
-Memory is shared with torch, never copied: a detached CPU tensor's ``.numpy()`` is a view
-of its storage (16-bit floats as integers, ``half``). Statistics are float32 (float64 for
+Memory is shared with torch, never copied: a kernel sees a tensor's storage either by its
+address (``entries``) or as a detached tensor's ``.numpy()`` view (the channels_last
+family); 16-bit floats as integers (``half``). Statistics are float32 (float64 for
 float64 inputs), merged across blocks in float64. Each kernel is a serial ``nogil`` loop
 over a range [lo, hi) of independent work items; ``_parallel.launch`` runs one range per
 thread on torch's OpenMP team. Compiled kernels are cached on disk (``cache=True``, in
@@ -39,8 +42,7 @@ from normkit.backends.cpu import _cache
 _cache.check_package_cache()    # before any kernel is loaded from the cache
 
 from normkit.backends.cpu.plans import ChannelsLastPlan, PlanesPlan, RowsPlan  # noqa: E402
-from normkit.backends.cpu.plans import np_view  # noqa: E402
-from normkit.backends.cpu.running import running_update  # noqa: E402
+from normkit.backends.cpu import entries  # noqa: E402
 
 __all__ = ["backward", "forward", "plan", "supports", "update_running"]
 
@@ -92,6 +94,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
 
 
 _BUFFER = {torch.float32: np.float32, torch.float64: np.float64}
+_PROTO = {st: np.empty(0, st) for st in _BUFFER.values()}
 
 
 def update_running(running_mean, running_var, mean, var, momentum, unbias) -> bool:
@@ -102,7 +105,9 @@ def update_running(running_mean, running_var, mean, var, momentum, unbias) -> bo
             or var.dtype != running_mean.dtype or running_mean.device.type != "cpu"
             or not (running_mean.is_contiguous() and running_var.is_contiguous())):
         return False
-    running_update((np_view(running_mean), np_view(running_var)),
-                   (np_view(mean).reshape(-1), np_view(var).reshape(-1)), st(1.0 - momentum),
-                   st(momentum), st(unbias), np.empty(running_mean.shape[0], st))
+    if not (mean.is_contiguous() and var.is_contiguous()):
+        mean, var = mean.contiguous(), var.contiguous()
+    entries.running_update((running_mean.data_ptr(), running_var.data_ptr(), mean.data_ptr(),
+                            var.data_ptr()), running_mean.shape[0], _PROTO[st],
+                           st(1.0 - momentum), st(momentum), st(unbias))
     return True

@@ -28,7 +28,7 @@ import torch
 from normkit.backends._memory import HUGE_MIN_BYTES, empty_like
 from normkit.backends._parallel import launch
 from normkit.backends.cpu import channels_last as cl
-from normkit.backends.cpu import planes, rows, tuning
+from normkit.backends.cpu import entries, tuning
 from normkit.backends.torch_ops import stat_dtype
 
 __all__ = ["RowsPlan", "PlanesPlan", "ChannelsLastPlan", "np_view"]
@@ -53,20 +53,23 @@ def _ncs(xv, grouping):
 
 
 class _Plan:
-    """What every family shares: sizes, dtypes, threads, the output allocation."""
+    """What every family shares: sizes, dtypes, threads, the output allocation, the
+    parameters and statistics as the kernels' entries take them (``entries``)."""
 
     def __init__(self, x, grouping, center, fixed, params):
         self.grouping, self.center, self.fixed = grouping, bool(center), bool(fixed)
         self.sdtype = stat_dtype(x.dtype)
         self.st = _NP_STAT[self.sdtype]
+        self.proto = np.empty(0, np_view(x[:0]).dtype)              # storage dtype
+        self.sproto = np.empty(0, self.st)                         # statistics dtype
         self.itemsize = x.element_size()
         self.threads = tuning.threads(x)
         self.stat_shape = grouping.stat_shape
         self.stat_count = math.prod(self.stat_shape)
         self.stats_block = (3, *self.stat_shape)
         self.params = params                                       # elements per weight
-        self.ones = np.ones(params, dtype=self.st)                 # weight None
-        self.zeros = np.zeros(params, dtype=self.st)               # bias None
+        self.ones = torch.ones(params, dtype=self.sdtype)          # weight None
+        self.zeros = torch.zeros(params, dtype=self.sdtype)        # bias None
         nbytes = x.numel() * self.itemsize
         self.large = nbytes >= HUGE_MIN_BYTES                      # outputs advised huge pages
 
@@ -74,12 +77,20 @@ class _Plan:
         return empty_like(x) if self.large else torch.empty_like(x)
 
     def param(self, p, default):
-        """A weight or bias as a contiguous 1-D array of the statistics dtype."""
+        """A weight or bias as contiguous memory of the statistics dtype (the default for
+        None), to pass by address."""
         if p is None:
             return default
-        if p.dtype != self.sdtype:
-            p = p.detach().to(self.sdtype)
-        return np_view(p).reshape(self.params)
+        if p.dtype != self.sdtype or not p.is_contiguous():
+            p = p.detach().to(self.sdtype).contiguous()
+        return p
+
+    def stat(self, t):
+        """Given statistics (saved, or fixed ones) as contiguous memory of the statistics
+        dtype, one element per unit."""
+        if t.dtype != self.sdtype or not t.is_contiguous():
+            t = t.to(self.sdtype).contiguous()
+        return t
 
     def run(self, kernel, total, *args):
         if self.threads == 1 or total == 1:
@@ -87,21 +98,23 @@ class _Plan:
         else:
             launch(kernel, total, self.threads, *args)
 
-    def stats(self, keep=True):
-        """Three fresh statistics tensors (mean, rstd, var) shaped ``stat_shape`` and
-        their NumPy views as 1-D arrays; ``keep=False``: scratch arrays only (tensors
-        None), for a caller that wants ``y`` alone."""
-        if keep:
-            block = torch.empty(self.stats_block, dtype=self.sdtype)
-            tensors, arrays = block.unbind(0), block.numpy().reshape(3, self.stat_count)
-        else:
-            tensors, arrays = (None, None, None), np.empty((3, self.stat_count), self.st)
-        return tensors, (arrays[0], arrays[1], arrays[2])
+    def stats(self):
+        """A fresh (3, *stat_shape) block for (mean, rstd, var) and the three addresses."""
+        block = torch.empty(self.stats_block, dtype=self.sdtype)
+        first, step = block.data_ptr(), self.stat_count * self.sproto.itemsize
+        return block, (first, first + step, first + 2 * step)
 
-    def dparams(self, dw, db, shape, needs):
-        """dweight and dbias as tensors of ``shape`` where asked for in ``needs``."""
-        return (torch.from_numpy(dw).view(shape) if needs[1] else None,
-                torch.from_numpy(db).view(shape) if needs[2] else None)
+
+def _asked(needs, *grads):
+    """The gradients asked for in ``needs``, None for the others."""
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
+def _outputs(y, block, keep_stats):
+    """``(y, mean, rstd, var)``, the statistics as the block's rows (None unless kept)."""
+    if not keep_stats:
+        return y, None, None, None
+    return (y, *block.unbind(0))
 
 
 class RowsPlan(_Plan):
@@ -114,30 +127,29 @@ class RowsPlan(_Plan):
 
     def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True):
         y = self.empty(x)
-        tensors, arrays = self.stats(keep_stats)
-        self.run(rows.rows_forward, self.m, np_view(x), np_view(y),
-                 self.param(weight, self.ones), self.param(bias, self.zeros), float(eps),
-                 self.center, arrays, (tuning.stream_out(y), self.ahead))
-        return (y, *tensors)
+        block, stats = self.stats()
+        w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
+        self.run(entries.rows_forward, self.m,
+                 (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr(), *stats),
+                 self.m, self.k, self.proto, self.sproto, float(eps), self.center,
+                 (tuning.stream_out(y), self.ahead))
+        return _outputs(y, block, keep_stats)
 
     def backward(self, grad, x, mean, rstd, weight, needs):
         grad = grad.contiguous()
         dx = self.empty(x)
         chunks = self.threads
-        partials = np.zeros((2, chunks, self.k), dtype=self.st)
-        self.run(rows.rows_backward, chunks, np_view(grad), np_view(x),
-                 self.param(weight, self.ones),
-                 (np_view(mean).reshape(self.m), np_view(rstd).reshape(self.m)), self.center,
-                 np_view(dx), (partials[0], partials[1]), (tuning.stream_out(dx), self.ahead))
-        sums = partials[:, 0] if chunks == 1 else partials.sum(1)
-        return ((dx if needs[0] else None),
-                *self.dparams(sums[0], sums[1], (1, self.k), needs))
-
-
-def _per_unit(t):
-    """Statistics shaped ``grouping.stat_shape`` (or expanded to it) as the NCHW kernels'
-    per-unit array: (C,) per channel for BatchNorm, (N * C) or (N * groups,) otherwise."""
-    return np.ascontiguousarray(np_view(t)).reshape(-1)
+        partials = torch.zeros((2, chunks, self.k), dtype=self.sdtype)
+        w, mean, rstd = self.param(weight, self.ones), self.stat(mean), self.stat(rstd)
+        self.run(entries.rows_backward, chunks,
+                 (grad.data_ptr(), x.data_ptr(), dx.data_ptr(), w.data_ptr(), mean.data_ptr(),
+                  rstd.data_ptr(), partials.data_ptr()),
+                 self.m, self.k, chunks, self.proto, self.sproto, self.center,
+                 (tuning.stream_out(dx), self.ahead))
+        if chunks > 1:
+            partials = partials.sum(1, keepdim=True)
+        dw, db = partials.unbind(0)                                # (1, K) each
+        return _asked(needs, dx, dw, db)
 
 
 def _groups(grouping, c):
@@ -163,66 +175,66 @@ class PlanesPlan(_ChannelsPlan):
         self.by_channel = grouping.kind == "batch"
         self.small = self.s < tuning.SMALL_PLANE
         self.units = self.c if self.by_channel else self.n * self.groups
+        self.ncs = (self.n, self.c, self.s)
         # (no larger than C: each kernel call allocates its per-block scratch)
         self.block = min(self.c, tuning.channel_block(self.n * self.s * self.itemsize))
         self.block_bwd = min(self.c, tuning.channel_block(2 * self.n * self.s * self.itemsize))
         self.ahead = tuning.rows_ahead(self.s, self.itemsize)
 
     def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True):
-        x3, g = _ncs(x, self.grouping), self.grouping
         y = self.empty(x)
-        y3 = _ncs(y, g)
         w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
-        if self.fixed:
-            arrays = (_per_unit(mean.to(self.sdtype)), _per_unit(rstd.to(self.sdtype)),
-                      np.empty(self.units, self.st))
+        if self.fixed:     # read, never written (var: unused)
+            mean, rstd = self.stat(mean), self.stat(rstd)
+            stats = (mean.data_ptr(), rstd.data_ptr(), mean.data_ptr())
         else:
-            tensors, arrays = self.stats(keep_stats)
+            block, stats = self.stats()
+        at = (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr(), *stats)
+        args = (self.proto, self.sproto, float(eps))
         stream = tuning.stream_out(y)
         if self.small and self.by_channel:
-            self.run(planes.channels_small, self.units, np_view(x3), np_view(y3), w, b,
-                     float(eps), self.fixed, arrays)
+            self.run(entries.channels_small, self.units, at, self.ncs, *args, self.fixed)
         elif self.small:
-            self.run(planes.planes_small, self.units, np_view(x3), np_view(y3), w, b,
-                     float(eps), self.groups, self.fixed, arrays)
+            self.run(entries.planes_small, self.units, at, self.ncs, self.groups, *args,
+                     self.fixed)
         elif self.by_channel:
-            self.run(planes.channels_forward, self.units, np_view(x3), np_view(y3), w, b,
-                     float(eps), self.block, self.fixed, arrays, stream)
+            self.run(entries.channels_forward, self.units, at, self.ncs, *args, self.block,
+                     self.fixed, stream)
         else:
-            self.run(planes.planes_forward, self.units, np_view(x3), np_view(y3), w, b,
-                     float(eps), self.groups, self.fixed, arrays, (stream, self.ahead))
+            self.run(entries.planes_forward, self.units, at, self.ncs, self.groups, *args,
+                     self.fixed, (stream, self.ahead))
         if self.fixed:
             return y, mean, rstd, None
-        return (y, *tensors)
+        return _outputs(y, block, keep_stats)
 
     def backward(self, grad, x, mean, rstd, weight, needs):
-        g, n, c, s = self.grouping, self.n, self.c, self.s
-        x3 = _ncs(x, g)
-        g3 = grad.reshape(n, c, s).contiguous()
-        dx = self.empty(x3)
-        stats = (_per_unit(mean), _per_unit(rstd))
-        sums = np.empty((2, n, c), dtype=self.st)
-        w = self.param(weight, self.ones)
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        dx = self.empty(x)
+        sums = torch.empty((2, self.n, self.c), dtype=self.sdtype)
+        w, mean, rstd = self.param(weight, self.ones), self.stat(mean), self.stat(rstd)
+        at = (grad.data_ptr(), x.data_ptr(), dx.data_ptr(), w.data_ptr(), mean.data_ptr(),
+              rstd.data_ptr(), sums.data_ptr())
+        args = (self.proto, self.sproto)
+        flags = (self.center, self.fixed)
         stream = tuning.stream_out(dx)
+        units = self.c if self.by_channel else self.n * self.groups
         if self.small and self.by_channel:
-            self.run(planes.channels_small_backward, c, np_view(g3), np_view(x3), w, stats,
-                     self.center, self.fixed, np_view(dx), (sums[0], sums[1]))
+            self.run(entries.channels_small_backward, units, at, self.ncs, *args, *flags)
         elif self.small:
-            self.run(planes.planes_small_backward, n * self.groups, np_view(g3), np_view(x3),
-                     w, stats, self.groups, self.center, self.fixed, np_view(dx),
-                     (sums[0], sums[1]))
+            self.run(entries.planes_small_backward, units, at, self.ncs, self.groups, *args,
+                     *flags)
         elif self.by_channel:
-            self.run(planes.channels_backward, c, np_view(g3), np_view(x3), w, stats,
-                     self.block_bwd, self.center, self.fixed, np_view(dx), (sums[0], sums[1]),
-                     stream)
+            self.run(entries.channels_backward, units, at, self.ncs, *args, self.block_bwd,
+                     *flags, stream)
         else:
-            self.run(planes.planes_backward, n * self.groups, np_view(g3), np_view(x3), w,
-                     stats, self.groups, self.center, self.fixed, np_view(dx),
-                     (sums[0], sums[1]), (stream, self.ahead))
-        # dweight, dbias: the per-plane sums over n, in float64
-        db, dw = np.add.reduce(sums, axis=1, dtype=np.float64).astype(self.st)
-        return ((dx.view(g.view) if needs[0] else None),
-                *self.dparams(dw, db, self.pshape, needs))
+            self.run(entries.planes_backward, units, at, self.ncs, self.groups, *args, *flags,
+                     (stream, self.ahead))
+        # dbias, dweight: the per-plane sums over n, in float64
+        grads = torch.empty((2, *self.pshape), dtype=self.sdtype)
+        entries.param_sums((sums.data_ptr(), grads.data_ptr()), self.n, self.c, self.sproto)
+        db, dw = grads.unbind(0)
+        return _asked(needs, dx, dw, db)
 
 
 def _cl_flat(t3):
@@ -252,14 +264,23 @@ class ChannelsLastPlan(_ChannelsPlan):
         self.unit = _unit(grouping, self.c)
         self.per_sample = (not fixed and grouping.kind != "batch" and self.n >= self.threads)
 
+    def np_param(self, p, default):
+        return np_view(self.param(p, default)).reshape(self.params)
+
+    def np_stats(self):
+        """A fresh statistics block, its rows as tensors (mean, rstd, var) and as arrays."""
+        block = torch.empty(self.stats_block, dtype=self.sdtype)
+        arrays = block.numpy().reshape(3, self.stat_count)
+        return block.unbind(0), (arrays[0], arrays[1], arrays[2])
+
     def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True):
         n, c, g = self.n, self.c, self.grouping
         x3 = _ncs(x, g)
         y = self.empty(x)
         xt, yt = _cl_flat(x3), _cl_flat(_ncs(y, g))                # N, S*C
-        w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
+        w, b = self.np_param(weight, self.ones), self.np_param(bias, self.zeros)
         if self.per_sample:
-            tensors, arrays = self.stats(keep_stats)
+            tensors, arrays = self.np_stats()
             self.run(cl.cl_sample_forward, n, xt, yt, w, b, float(eps), c, self.groups,
                      self.blocks, arrays, tuning.stream_out(y))
             return (y, *tensors)
@@ -274,7 +295,7 @@ class ChannelsLastPlan(_ChannelsPlan):
             partials = (np.empty((n, self.parts, c)), np.empty((n, self.parts, c)))
             self.run(cl.nc_moments, n * self.parts, xt, c, self.parts, self.blocks,
                      np.empty(0, st), partials)
-            (mean, rstd, var), arrays = self.stats(keep_stats)
+            (mean, rstd, var), arrays = self.np_stats()
             cl.nc_stats(partials, self.s, self.unit, float(eps), w, b, arrays, coefs)
         self.run(cl.nc_apply, n * self.parts, xt, yt, c, self.parts, coefs, tuning.stream_out(y))
         return y, mean, rstd, var
@@ -295,10 +316,10 @@ class ChannelsLastPlan(_ChannelsPlan):
                  partials)
         coefs = tuple(np.empty((n, c), dtype=st) for _ in range(3))
         grads = (np.empty(c, dtype=st), np.empty(c, dtype=st))
-        cl.nc_grad_coefs(partials, rstd_u, self.param(weight, self.ones), self.unit,
+        cl.nc_grad_coefs(partials, rstd_u, self.np_param(weight, self.ones), self.unit,
                          float(g.group_size), self.center, self.fixed, coefs, grads)
         dx = self.empty(x3)
         self.run(cl.nc_grad_apply, n * self.parts, gt, xt, _cl_flat(dx), c, self.parts,
                  (stats_nc[0], *coefs), tuning.stream_out(dx))
-        return ((dx.view(g.view) if needs[0] else None),
-                *self.dparams(*grads, self.pshape, needs))
+        dw, db = (torch.from_numpy(t).view(self.pshape) for t in grads)
+        return _asked(needs, dx.view(g.view), dw, db)

@@ -1,0 +1,140 @@
+"""The kernels' entries by address: what the plans call.
+
+Each entry takes the tensors of one call as addresses (``address``), rebuilds them as
+arrays inside compiled code and runs the kernel of ``rows``, ``planes`` or ``running``
+of the same name over the range [lo, hi): the same kernel, without the microseconds per
+argument that converting tensors to NumPy arrays costs a Python call.
+
+Conventions: ``at`` is a tuple of addresses in the order the docstring gives; ``proto``
+and ``sproto`` are empty arrays of the storage dtype (``half``: 16-bit floats as
+integers) and of the statistics dtype; statistics blocks are ``(3, units)`` (mean, rstd,
+var, each its own address; with fixed statistics ``var`` is never written and may be any
+address), sums blocks ``(2, ...)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+from numba.extending import register_jitable
+
+from normkit.backends.cpu import planes, rows, running
+from normkit.backends.cpu.address import at as _at
+from normkit.backends.cpu.rows import JIT
+
+__all__ = ["rows_forward", "rows_backward", "channels_small", "channels_small_backward",
+           "planes_small", "planes_small_backward", "channels_forward", "channels_backward",
+           "planes_forward", "planes_backward", "param_sums", "running_update"]
+
+
+@njit(**JIT)
+def rows_forward(at, m, k, proto, sproto, eps, center, out, lo, hi):
+    """at = (x, y: (M, K); w, b: (K,); mean, rstd, var: (M,))."""
+    x, y = _at(at[0], proto, (m, k)), _at(at[1], proto, (m, k))
+    w, b = _at(at[2], sproto, (k,)), _at(at[3], sproto, (k,))
+    stats = (_at(at[4], sproto, (m,)), _at(at[5], sproto, (m,)), _at(at[6], sproto, (m,)))
+    rows.rows_forward(x, y, w, b, eps, center, stats, out, lo, hi)
+
+
+@njit(**JIT)
+def rows_backward(at, m, k, chunks, proto, sproto, center, out, lo, hi):
+    """at = (g, x, dx: (M, K); w: (K,); mean, rstd: (M,); partials: (2, chunks, K))."""
+    g, x, dx = _at(at[0], proto, (m, k)), _at(at[1], proto, (m, k)), _at(at[2], proto, (m, k))
+    w = _at(at[3], sproto, (k,))
+    mean, rstd = _at(at[4], sproto, (m,)), _at(at[5], sproto, (m,))
+    p = _at(at[6], sproto, (2, chunks, k))
+    rows.rows_backward(g, x, w, (mean, rstd), center, dx, (p[0], p[1]), out, lo, hi)
+
+
+@register_jitable
+def _forward_arrays(at, ncs, units, proto, sproto):
+    n, c, s = ncs
+    x, y = _at(at[0], proto, (n, c, s)), _at(at[1], proto, (n, c, s))
+    w, b = _at(at[2], sproto, (c,)), _at(at[3], sproto, (c,))
+    stats = (_at(at[4], sproto, (units,)), _at(at[5], sproto, (units,)),
+             _at(at[6], sproto, (units,)))
+    return x, y, w, b, stats
+
+
+@register_jitable
+def _backward_arrays(at, ncs, units, proto, sproto):
+    n, c, s = ncs
+    g, x, dx = (_at(at[0], proto, (n, c, s)), _at(at[1], proto, (n, c, s)),
+                _at(at[2], proto, (n, c, s)))
+    w = _at(at[3], sproto, (c,))
+    mean, rstd = _at(at[4], sproto, (units,)), _at(at[5], sproto, (units,))
+    sums = _at(at[6], sproto, (2, n, c))
+    return g, x, dx, w, (mean, rstd), (sums[0], sums[1])
+
+
+# forward: at = (x, y: (N, C, S); w, b: (C,); mean, rstd, var: (units,)), read when fixed
+# backward: at = (g, x, dx: (N, C, S); w: (C,); mean, rstd: (units,); sums: (2, N, C))
+
+
+@njit(**JIT)
+def channels_small(at, ncs, proto, sproto, eps, fixed, lo, hi):
+    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[1], proto, sproto)
+    planes.channels_small(x, y, w, b, eps, fixed, stats, lo, hi)
+
+
+@njit(**JIT)
+def channels_forward(at, ncs, proto, sproto, eps, block, fixed, stream, lo, hi):
+    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[1], proto, sproto)
+    planes.channels_forward(x, y, w, b, eps, block, fixed, stats, stream, lo, hi)
+
+
+@njit(**JIT)
+def planes_small(at, ncs, groups, proto, sproto, eps, fixed, lo, hi):
+    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[0] * groups, proto, sproto)
+    planes.planes_small(x, y, w, b, eps, groups, fixed, stats, lo, hi)
+
+
+@njit(**JIT)
+def planes_forward(at, ncs, groups, proto, sproto, eps, fixed, out, lo, hi):
+    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[0] * groups, proto, sproto)
+    planes.planes_forward(x, y, w, b, eps, groups, fixed, stats, out, lo, hi)
+
+
+@njit(**JIT)
+def channels_small_backward(at, ncs, proto, sproto, center, fixed, lo, hi):
+    g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[1], proto, sproto)
+    planes.channels_small_backward(g, x, w, stats, center, fixed, dx, sums, lo, hi)
+
+
+@njit(**JIT)
+def channels_backward(at, ncs, proto, sproto, block, center, fixed, stream, lo, hi):
+    g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[1], proto, sproto)
+    planes.channels_backward(g, x, w, stats, block, center, fixed, dx, sums, stream, lo, hi)
+
+
+@njit(**JIT)
+def planes_small_backward(at, ncs, groups, proto, sproto, center, fixed, lo, hi):
+    g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[0] * groups, proto, sproto)
+    planes.planes_small_backward(g, x, w, stats, groups, center, fixed, dx, sums, lo, hi)
+
+
+@njit(**JIT)
+def planes_backward(at, ncs, groups, proto, sproto, center, fixed, out, lo, hi):
+    g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[0] * groups, proto, sproto)
+    planes.planes_backward(g, x, w, stats, groups, center, fixed, dx, sums, out, lo, hi)
+
+
+@njit(**JIT)
+def param_sums(at, n, c, sproto):
+    """at = (sums: (2, N, C), grads: (2, C)): grads = (dbias, dweight), each per-plane sum
+    added over n in float64 (in the order n = 0, 1, ...), rounded once."""
+    sums, grads = _at(at[0], sproto, (2, n, c)), _at(at[1], sproto, (2, c))
+    for j in range(2):
+        for ch in range(c):
+            total = 0.0
+            for i in range(n):
+                total += np.float64(sums[j, i, ch])
+            grads[j, ch] = total
+
+
+@njit(**JIT)
+def running_update(at, c, proto, keep, momentum, unbias):
+    """at = (running_mean, running_var, mean, var), each (C,) of ``proto``'s dtype."""
+    values = (_at(at[2], proto, (c,)), _at(at[3], proto, (c,)))
+    buffers = (_at(at[0], proto, (c,)), _at(at[1], proto, (c,)))
+    running.running_update(buffers, values, keep, momentum, unbias, np.empty(c, proto.dtype))
