@@ -199,9 +199,12 @@ class NormFunction(torch.autograd.Function):
         fixed = mean is not None
         ctx.plan = None
         shape = x.shape
-        ctx.reshaped = shape != grouping.view
+        eager = plain_eager(x)
+        # a contiguous input goes to the plan in its own shape (the kernels see only its
+        # memory); any other is viewed as the grouping says, and y viewed back
+        ctx.reshaped = shape != grouping.view and not (eager and x.is_contiguous())
         xv = x.reshape(grouping.view) if ctx.reshaped else x
-        if plain_eager(x):
+        if eager:
             ctx.plan = backends.plan(xv, grouping, center, fixed)
             y, mean_out, rstd_out, var = ctx.plan.forward(xv, weight, bias, eps, mean, rstd)
         else:
@@ -215,25 +218,25 @@ class NormFunction(torch.autograd.Function):
         ctx.grouping, ctx.eps, ctx.center, ctx.fixed = grouping, eps, center, fixed
         ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
         if ctx.reshaped:   # an alias autograd does not track as a view
-            ctx.shape = shape
             y = torch.ops.aten._unsafe_view(y, shape)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        xv, weight, mean, rstd = ctx.saved_tensors
+        x, weight, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
-        if ctx.reshaped:
-            grad_y = grad_y.reshape(ctx.grouping.view)
-            xv = xv.reshape(ctx.grouping.view)
-        if ctx.plan is not None and not torch.is_grad_enabled() and plain_eager(grad_y):
-            dx, dw, db = ctx.plan.backward(grad_y, xv, mean, rstd, weight, needs)
+        plan = ctx.plan if not torch.is_grad_enabled() and plain_eager(grad_y) else None
+        shape, view = x.shape, ctx.grouping.view
+        if plan is None or ctx.reshaped:       # the operator, or a plan built on the view
+            grad_y, x = grad_y.reshape(view), x.reshape(view)
+        if plan is not None:
+            dx, dw, db = plan.backward(grad_y, x, mean, rstd, weight, needs)
         else:
-            dx, dw, db = _backward_op(grad_y, xv, mean, rstd, weight,
+            dx, dw, db = _backward_op(grad_y, x, mean, rstd, weight,
                                       *grouping_args(ctx.grouping), ctx.eps, ctx.center,
                                       ctx.fixed, list(needs))
         grouping = ctx.grouping
-        dx = (dx.reshape(ctx.shape) if ctx.reshaped else dx) if needs[0] else None
+        dx = (dx if dx.shape == shape else dx.reshape(shape)) if needs[0] else None
         dw = _to_param(dw, weight.shape, weight.dtype, grouping) if needs[1] else None
         db = _to_param(db, *ctx.bias_meta, grouping) if needs[2] else None
         return dx, dw, db, None, None, None, None, None, None
@@ -298,7 +301,7 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
             y = NormFunction.apply(x, weight, bias, grouping, eps, center, mean, rstd, stats)
             return (y, *stats)
         shape = x.shape
-        if shape == grouping.view:
+        if shape == grouping.view or x.is_contiguous():     # the plan takes it as it is
             return backends.plan(x, grouping, center, mean is not None).forward(
                 x, weight, bias, eps, mean, rstd, keep_stats)
         xv = x.reshape(grouping.view)

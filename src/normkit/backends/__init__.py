@@ -94,17 +94,21 @@ class BackendPlan:
     grouping bound (output laid out as ``torch.empty_like(x)``, as the plans promise)."""
 
     def __init__(self, backend, grouping, center, fixed):
-        self.backend, self.grouping = backend, grouping
+        self.backend, self.grouping = backend, grouping     # (x viewed inside)
         self.center, self.fixed = center, fixed
 
     def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True):
-        y, mean, rstd, var = self.backend.forward(x, self.grouping, weight, bias, eps,
-                                                  self.center, mean, rstd)
-        return like(y, x), mean, rstd, var
+        view = self.grouping.view
+        y, mean, rstd, var = self.backend.forward(x.reshape(view), self.grouping, weight, bias,
+                                                  eps, self.center, mean, rstd)
+        return like(y.reshape(x.shape), x), mean, rstd, var
 
     def backward(self, grad, x, mean, rstd, weight, needs):
-        return self.backend.backward(grad, x, mean, rstd, weight, self.grouping, self.center,
-                                     self.fixed, needs)
+        view = self.grouping.view
+        dx, dw, db = self.backend.backward(grad.reshape(view), x.reshape(view), mean, rstd,
+                                           weight, self.grouping, self.center, self.fixed,
+                                           needs)
+        return (None if dx is None else dx.reshape(x.shape)), dw, db
 
 
 _PLANS = {}
@@ -112,11 +116,14 @@ _PLANS_MAX = 4096          # distinct shapes kept; a model has tens, dynamic sha
 
 
 def plan(x, grouping, center=True, fixed=False):
-    """The plan that runs this normalization of the view ``x`` (cached; see above)."""
-    key = (grouping, x.dtype, x.device, x.stride(), center, fixed, torch.get_num_threads())
+    """The plan that runs this normalization of ``x`` (cached; see above): ``x`` is the
+    grouping's view, or any shape that views as it without a copy; the plan then takes
+    inputs of that shape and strides and gives outputs of that shape."""
+    key = (grouping, x.shape, x.stride(), x.dtype, x.device, center, fixed,
+           torch.get_num_threads())
     found = _PLANS.get(key)
     if found is None:
-        backend = select(x, grouping, center, fixed)
+        backend = select(x.view(grouping.view), grouping, center, fixed)
         maker = getattr(backend, "plan", None)
         found = (maker(x, grouping, center, fixed) if maker is not None
                  else BackendPlan(backend, grouping, center, fixed))

@@ -76,8 +76,9 @@ def supports(x, grouping, center=True, fixed=False) -> bool:
 
 
 def plan(x, grouping, center=True, fixed=False):
-    """The plan of the family that runs the view ``x`` (``supports`` true); see ``plans``."""
-    return _FAMILIES[layout(x, grouping)](x, grouping, center, fixed)
+    """The plan of the family that runs ``x`` (``supports`` true; the view or any shape
+    that views as it); see ``plans``."""
+    return _FAMILIES[layout(x.view(grouping.view), grouping)](x, grouping, center, fixed)
 
 
 # the module-level interface (the residual-add norms, SyncBatchNorm) runs the cached plans

@@ -15,7 +15,9 @@ On a small tensor the Python around the kernel is most of the time (``docs/perfo
 Every plan has ``forward(x, weight, bias, eps, mean=None, rstd=None, keep_stats=True) ->
 (y, mean, rstd, var)`` (statistics None with ``keep_stats=False``) and ``backward(grad,
 x, mean, rstd, weight, needs) -> (dx, dweight, dbias)`` with the meaning of the backend
-interface (``normkit.backends``); ``y`` and ``dx`` are laid out as ``torch.empty_like(x)``.
+interface (``normkit.backends``); ``x`` comes in the shape and strides the plan was
+built for (the grouping's view, or any shape of a contiguous input: the kernels see only
+its memory), and ``y`` and ``dx`` are laid out as ``torch.empty_like(x)``.
 """
 
 from __future__ import annotations
@@ -46,10 +48,15 @@ def np_view(t):
     return (t if storage is None else t.view(storage)).numpy()
 
 
-def _ncs(xv, grouping):
-    """The (N, C, S) view of a batch/instance/group view."""
+def _ncs_shape(grouping):
+    """The (N, C, S) sizes of a batch/instance/group view."""
     v = grouping.view
-    return xv.view(v[0], v[1] * v[2], v[3]) if grouping.kind == "group" else xv
+    return (v[0], v[1] * v[2], v[3]) if grouping.kind == "group" else tuple(v)
+
+
+def _ncs(x, grouping):
+    """The (N, C, S) view of a batch/instance/group input."""
+    return x.view(_ncs_shape(grouping))
 
 
 class _Plan:
@@ -160,7 +167,7 @@ class _ChannelsPlan(_Plan):
     """Batch / Instance / GroupNorm: the (N, C, S) sizes and the per-channel parameters."""
 
     def __init__(self, x, grouping, center, fixed):
-        self.n, self.c, self.s = _ncs(x, grouping).shape
+        self.n, self.c, self.s = _ncs_shape(grouping)
         super().__init__(x, grouping, center, fixed, self.c)
         self.groups = _groups(grouping, self.c)
         self.pshape = grouping.param_view
@@ -318,8 +325,8 @@ class ChannelsLastPlan(_ChannelsPlan):
         grads = (np.empty(c, dtype=st), np.empty(c, dtype=st))
         cl.nc_grad_coefs(partials, rstd_u, self.np_param(weight, self.ones), self.unit,
                          float(g.group_size), self.center, self.fixed, coefs, grads)
-        dx = self.empty(x3)
-        self.run(cl.nc_grad_apply, n * self.parts, gt, xt, _cl_flat(dx), c, self.parts,
+        dx = self.empty(x)
+        self.run(cl.nc_grad_apply, n * self.parts, gt, xt, _cl_flat(_ncs(dx, g)), c, self.parts,
                  (stats_nc[0], *coefs), tuning.stream_out(dx))
         dw, db = (torch.from_numpy(t).view(self.pshape) for t in grads)
-        return _asked(needs, dx.view(g.view), dw, db)
+        return _asked(needs, dx, dw, db)
