@@ -270,3 +270,31 @@ def test_batch_norm_both_sides_of_the_small_plane_threshold(dtype, training, mon
         results[small] = got[0]
     if not training:           # fixed statistics: the same formula, the same bits
         assert torch.equal(results[0], results[1 << 30])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_eval_batch_norm_without_grad_takes_rstd_from_the_kernel(dtype, layout, monkeypatch):
+    # with nothing to record, eval BatchNorm hands the running variance to the kernel,
+    # which computes rstd = 1 / sqrt(var + eps) as torch.rsqrt does: the same bits as the
+    # path with a gradient (rstd from torch), both sides of tuning.SMALL_PLANE
+    from normkit.backends.cpu import tuning
+
+    torch.manual_seed(0)
+    x = (torch.randn(3, 6, 5, 7, dtype=torch.float64) * 3 + 40).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    for small in (1 << 30, 0):
+        monkeypatch.setattr(tuning, "SMALL_PLANE", small)
+        backends.clear_plans()
+        ours, theirs = _layer_pair(lambda m: m.BatchNorm2d(6))
+        ours.running_mean.uniform_(35, 45), ours.running_var.uniform_(5, 15)
+        with torch.no_grad():
+            ours.weight.uniform_(0.5, 2), ours.bias.uniform_(-1, 1)
+        theirs.load_state_dict(ours.state_dict())
+        ours, theirs = ours.to(dtype).eval(), theirs.to(dtype).eval()
+        with torch.no_grad():
+            fast, want = ours(x), theirs(x)
+        with_grad = ours(x.clone().requires_grad_())
+        assert torch.equal(fast, with_grad.detach()), f"SMALL_PLANE={small}"
+        assert_close(fast, want, dtype, msg=f"SMALL_PLANE={small}")

@@ -60,18 +60,21 @@ def view_as(t, shape):
 
 
 def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
-               fixed_mean=None, fixed_rstd=None, stats=True):
+               fixed_mean=None, fixed_rstd=None, stats=True, fixed_var=None):
     """Run ``torch.ops.normkit.norm_forward`` on ``x`` seen through ``grouping.view`` (the
     composite torch ops where ``normkit.ops.decomposing()``); returns ``(y, mean, var)``
     with ``y`` in ``x``'s shape (and memory layout); ``stats=False``: the caller uses ``y``
-    alone, ``mean`` and ``var`` may be None. ``y`` is never a view of ``x``, so callers
-    may modify it in place."""
+    alone, ``mean`` and ``var`` may be None. Fixed statistics come as ``fixed_mean`` and
+    ``fixed_rstd``, or ``fixed_var`` instead of the rstd. ``y`` is never a view of ``x``,
+    so callers may modify it in place."""
     if ops.decomposing():
+        if fixed_mean is not None and fixed_rstd is None:
+            fixed_rstd = torch_ops.rstd_from_var(fixed_var, eps)
         y, mean, _, var = torch_ops.forward(x.reshape(grouping.view), grouping, weight, bias,
                                             eps, center, fixed_mean, fixed_rstd)
         return y.reshape(x.shape), mean, var
     y, mean, _, var = ops.norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
-                                       fixed_rstd, stats)
+                                       fixed_rstd, stats, fixed_var)
     return y, mean, var
 
 

@@ -92,10 +92,10 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if not training and running_mean is None:
         training = True  # no running statistics to use: normalize with the batch's, as torch
     if not training:
-        sdtype = stat_dtype(input.dtype)
-        mean = running_mean.to(sdtype).view(grouping.stat_shape)
-        rstd = torch.rsqrt(running_var.to(sdtype).view(grouping.stat_shape) + eps)
-        return apply_norm(input, grouping, weight, bias, eps, True, mean, rstd, stats=False)[0]
+        sdtype, shape = stat_dtype(input.dtype), grouping.stat_shape
+        mean, var = running_mean.to(sdtype).view(shape), running_var.to(sdtype).view(shape)
+        return apply_norm(input, grouping, weight, bias, eps, True, mean, stats=False,
+                          fixed_var=var)[0]
     y, mean, var = apply_norm(input, grouping, weight, bias, eps)
     if running_mean is not None and n > 0:
         update_running(running_mean, running_var, mean, var, momentum, n / (n - 1))

@@ -285,29 +285,35 @@ def plain_eager(x) -> bool:
 
 
 def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mean=None,
-                 rstd=None, keep_stats=True):
+                 rstd=None, keep_stats=True, var=None):
     """``torch.ops.normkit.norm_forward`` over ``grouping`` for ``x`` in any shape with the
     view's number of elements. Returns ``(y, mean, rstd, var)`` with ``y`` in ``x``'s
     shape (with fixed statistics: the given ``mean`` and ``rstd`` and ``var = None`` in
     eager mode, empty tensors when traced; ``keep_stats=False``: the caller wants ``y``
-    alone, the statistics may be None).
+    alone, the statistics may be None). Fixed statistics may be given as ``mean`` and
+    ``var`` (``rstd=None``): eval BatchNorm's running statistics; without a gradient to
+    record, the kernel computes ``rstd = 1 / sqrt(var + eps)`` as it normalizes.
 
     In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
     and runs what they would run: ``NormFunction`` when an input requires a gradient,
     the backend's plan otherwise. Traced, it is the operator call on the view."""
     if plain_eager(x):
         if _needs_grad(x, weight, bias):
+            if mean is not None and rstd is None:
+                rstd = torch_ops.rstd_from_var(var, eps)
             stats = []
             y = NormFunction.apply(x, weight, bias, grouping, eps, center, mean, rstd, stats)
             return (y, *stats)
         shape = x.shape
         if shape == grouping.view or x.is_contiguous():     # the plan takes it as it is
             return backends.plan(x, grouping, center, mean is not None).forward(
-                x, weight, bias, eps, mean, rstd, keep_stats)
+                x, weight, bias, eps, mean, rstd, keep_stats, var)
         xv = x.reshape(grouping.view)
         y, *stats = backends.plan(xv, grouping, center, mean is not None).forward(
-            xv, weight, bias, eps, mean, rstd, keep_stats)
+            xv, weight, bias, eps, mean, rstd, keep_stats, var)
         return (y.reshape(shape), *stats)
+    if mean is not None and rstd is None:
+        rstd = torch_ops.rstd_from_var(var, eps)
     y, *stats = _forward_op(x.reshape(grouping.view), weight, bias, *grouping_args(grouping),
                             eps, center, mean, rstd)
     return (y.reshape(x.shape), *stats)

@@ -22,8 +22,9 @@ described by a ``normkit.grouping.Grouping``:
     normalizes); a backend without it leaves them to ``torch_ops``.
 
 ``plan(x, grouping, center, fixed)`` (optional)
-    An object with ``forward(x, weight, bias, eps, mean=None, rstd=None, keep_stats=True)``
-    (``keep_stats=False``: the caller wants ``y`` only; statistics may come back None) and
+    An object with ``forward(x, weight, bias, eps, mean=None, rstd=None, keep_stats=True,
+    var=None)`` (``keep_stats=False``: the caller wants ``y`` only; statistics may come
+    back None; fixed statistics as ``mean`` and ``var``: rstd computed from var) and
     ``backward(grad, x, mean, rstd, weight, needs)`` for this grouping, dtype and layout,
     with every decision that depends only on those made once (the CPU kernels' sizes,
     blocks and threads).
@@ -97,7 +98,9 @@ class BackendPlan:
         self.backend, self.grouping = backend, grouping     # (x viewed inside)
         self.center, self.fixed = center, fixed
 
-    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True):
+    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
+        if mean is not None and rstd is None:
+            rstd = torch_ops.rstd_from_var(var, eps)
         view = self.grouping.view
         y, mean, rstd, var = self.backend.forward(x.reshape(view), self.grouping, weight, bias,
                                                   eps, self.center, mean, rstd)

@@ -26,6 +26,11 @@ def _param(p, grouping, dtype):
     return p if grouping.param_view is None else p.view(grouping.param_view)
 
 
+def rstd_from_var(var, eps):
+    """``1 / sqrt(var + eps)``: fixed statistics given as a variance (eval BatchNorm)."""
+    return torch.rsqrt(var + eps)
+
+
 def compute_stats(xs, grouping, eps, center):
     """``(mean, var, rstd)`` of each group of the view ``xs`` (already in stat dtype).
 

@@ -47,13 +47,24 @@ def rows_backward(at, m, k, chunks, proto, sproto, center, out, lo, hi):
 
 
 @register_jitable
-def _forward_arrays(at, ncs, units, proto, sproto):
+def _forward_arrays(at, ncs, units, proto, sproto, eps, from_var):
     n, c, s = ncs
     x, y = _at(at[0], proto, (n, c, s)), _at(at[1], proto, (n, c, s))
     w, b = _at(at[2], sproto, (c,)), _at(at[3], sproto, (c,))
-    stats = (_at(at[4], sproto, (units,)), _at(at[5], sproto, (units,)),
-             _at(at[6], sproto, (units,)))
-    return x, y, w, b, stats
+    mean, rstd = _at(at[4], sproto, (units,)), _at(at[5], sproto, (units,))
+    if from_var:   # fixed statistics given as (mean, var): rstd = 1 / sqrt(var + eps)
+        rstd = _rstd(rstd, eps)
+    return x, y, w, b, (mean, rstd, _at(at[6], sproto, (units,)))
+
+
+@register_jitable
+def _rstd(var, eps):
+    """1 / sqrt(var + eps) per unit, in var's dtype (torch.rsqrt(var + eps)'s rounding)."""
+    out = np.empty_like(var)
+    e = var.dtype.type(eps)
+    for i in range(var.shape[0]):
+        out[i] = var.dtype.type(1.0) / np.sqrt(var[i] + e)
+    return out
 
 
 @register_jitable
@@ -67,31 +78,34 @@ def _backward_arrays(at, ncs, units, proto, sproto):
     return g, x, dx, w, (mean, rstd), (sums[0], sums[1])
 
 
-# forward: at = (x, y: (N, C, S); w, b: (C,); mean, rstd, var: (units,)), read when fixed
+# forward: at = (x, y: (N, C, S); w, b: (C,); mean, rstd, var: (units,)), read when fixed;
+# from_var: at[5] holds the variance, rstd is computed from it
 # backward: at = (g, x, dx: (N, C, S); w: (C,); mean, rstd: (units,); sums: (2, N, C))
 
 
 @njit(**JIT)
-def channels_small(at, ncs, proto, sproto, eps, fixed, lo, hi):
-    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[1], proto, sproto)
+def channels_small(at, ncs, proto, sproto, eps, fixed, from_var, lo, hi):
+    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[1], proto, sproto, eps, from_var)
     planes.channels_small(x, y, w, b, eps, fixed, stats, lo, hi)
 
 
 @njit(**JIT)
-def channels_forward(at, ncs, proto, sproto, eps, block, fixed, stream, lo, hi):
-    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[1], proto, sproto)
+def channels_forward(at, ncs, proto, sproto, eps, fixed, from_var, block, stream, lo, hi):
+    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[1], proto, sproto, eps, from_var)
     planes.channels_forward(x, y, w, b, eps, block, fixed, stats, stream, lo, hi)
 
 
 @njit(**JIT)
-def planes_small(at, ncs, groups, proto, sproto, eps, fixed, lo, hi):
-    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[0] * groups, proto, sproto)
+def planes_small(at, ncs, groups, proto, sproto, eps, fixed, from_var, lo, hi):
+    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[0] * groups, proto, sproto, eps,
+                                        from_var)
     planes.planes_small(x, y, w, b, eps, groups, fixed, stats, lo, hi)
 
 
 @njit(**JIT)
-def planes_forward(at, ncs, groups, proto, sproto, eps, fixed, out, lo, hi):
-    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[0] * groups, proto, sproto)
+def planes_forward(at, ncs, groups, proto, sproto, eps, fixed, from_var, out, lo, hi):
+    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[0] * groups, proto, sproto, eps,
+                                        from_var)
     planes.planes_forward(x, y, w, b, eps, groups, fixed, stats, out, lo, hi)
 
 

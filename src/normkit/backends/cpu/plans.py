@@ -12,8 +12,10 @@ On a small tensor the Python around the kernel is most of the time (``docs/perfo
 ``PlanesPlan``        Batch/Instance/GroupNorm on contiguous NCHW planes   (``planes``)
 ``ChannelsLastPlan``  Batch/Instance/GroupNorm on channels_last           (``channels_last``)
 
-Every plan has ``forward(x, weight, bias, eps, mean=None, rstd=None, keep_stats=True) ->
-(y, mean, rstd, var)`` (statistics None with ``keep_stats=False``) and ``backward(grad,
+Every plan has ``forward(x, weight, bias, eps, mean=None, rstd=None, keep_stats=True,
+var=None) -> (y, mean, rstd, var)`` (statistics None with ``keep_stats=False``; fixed
+statistics may come as ``mean`` and ``var`` instead of ``rstd``: eval BatchNorm's running
+statistics, the rstd then computed in the kernel) and ``backward(grad,
 x, mean, rstd, weight, needs) -> (dx, dweight, dbias)`` with the meaning of the backend
 interface (``normkit.backends``); ``x`` comes in the shape and strides the plan was
 built for (the grouping's view, or any shape of a contiguous input: the kernels see only
@@ -31,7 +33,7 @@ from normkit.backends._memory import HUGE_MIN_BYTES, empty_like
 from normkit.backends._parallel import launch
 from normkit.backends.cpu import channels_last as cl
 from normkit.backends.cpu import entries, tuning
-from normkit.backends.torch_ops import stat_dtype
+from normkit.backends.torch_ops import rstd_from_var, stat_dtype
 
 __all__ = ["RowsPlan", "PlanesPlan", "ChannelsLastPlan", "np_view"]
 
@@ -132,7 +134,7 @@ class RowsPlan(_Plan):
         super().__init__(x, grouping, center, fixed, self.k)
         self.ahead = tuning.rows_ahead(self.k, self.itemsize)
 
-    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True):
+    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
         y = self.empty(x)
         block, stats = self.stats()
         w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
@@ -188,28 +190,28 @@ class PlanesPlan(_ChannelsPlan):
         self.block_bwd = min(self.c, tuning.channel_block(2 * self.n * self.s * self.itemsize))
         self.ahead = tuning.rows_ahead(self.s, self.itemsize)
 
-    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True):
+    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
         y = self.empty(x)
         w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
-        if self.fixed:     # read, never written (var: unused)
-            mean, rstd = self.stat(mean), self.stat(rstd)
-            stats = (mean.data_ptr(), rstd.data_ptr(), mean.data_ptr())
+        from_var = rstd is None and var is not None
+        if self.fixed:     # read, never written (the third: unused); rstd, or var for it
+            mean, given = self.stat(mean), self.stat(var if from_var else rstd)
+            stats = (mean.data_ptr(), given.data_ptr(), mean.data_ptr())
         else:
             block, stats = self.stats()
         at = (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr(), *stats)
-        args = (self.proto, self.sproto, float(eps))
+        args = (self.proto, self.sproto, float(eps), self.fixed, from_var)
         stream = tuning.stream_out(y)
         if self.small and self.by_channel:
-            self.run(entries.channels_small, self.units, at, self.ncs, *args, self.fixed)
+            self.run(entries.channels_small, self.units, at, self.ncs, *args)
         elif self.small:
-            self.run(entries.planes_small, self.units, at, self.ncs, self.groups, *args,
-                     self.fixed)
+            self.run(entries.planes_small, self.units, at, self.ncs, self.groups, *args)
         elif self.by_channel:
             self.run(entries.channels_forward, self.units, at, self.ncs, *args, self.block,
-                     self.fixed, stream)
+                     stream)
         else:
             self.run(entries.planes_forward, self.units, at, self.ncs, self.groups, *args,
-                     self.fixed, (stream, self.ahead))
+                     (stream, self.ahead))
         if self.fixed:
             return y, mean, rstd, None
         return _outputs(y, block, keep_stats)
@@ -280,7 +282,9 @@ class ChannelsLastPlan(_ChannelsPlan):
         arrays = block.numpy().reshape(3, self.stat_count)
         return block.unbind(0), (arrays[0], arrays[1], arrays[2])
 
-    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True):
+    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
+        if self.fixed and rstd is None:
+            rstd = rstd_from_var(var, eps)
         n, c, g = self.n, self.c, self.grouping
         x3 = _ncs(x, g)
         y = self.empty(x)
