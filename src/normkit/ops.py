@@ -175,17 +175,20 @@ def _to_param(grad, shape, dtype, grouping):
     """Bring a backend's parameter gradient to the parameter's shape and dtype."""
     if grouping.param_view is None:
         grad = grad.sum_to_size(shape)
-    return grad.reshape(shape).to(dtype)
+    if grad.shape != shape:
+        grad = grad.reshape(shape)
+    return grad if grad.dtype == dtype else grad.to(dtype)
 
 
 class NormFunction(torch.autograd.Function):
     """The autograd of ``norm_forward``: saves the input, the weight and the fp32 (fp64)
     ``mean`` and ``rstd`` -- ``xhat`` is recomputed -- and runs ``norm_backward``.
 
-    ``apply(x, weight, bias, grouping, eps, center, mean, rstd, stats)`` returns ``y``
+    ``apply(x, weight, bias, (grouping, eps, center, mean, rstd, stats))`` returns ``y``
     in ``x``'s shape; the statistics ``(mean, rstd, var)``, never differentiable, are
-    appended to the list ``stats`` (one output instead of four: each output of an
-    ``autograd.Function`` costs a few microseconds per call, a noticeable share on a small
+    appended to the list ``stats`` (one output instead of four, and the arguments that
+    take no gradient in one tuple: each argument and output of an ``autograd.Function``
+    costs a fraction of a microsecond to a few per call, a noticeable share on a small
     tensor). ``x`` may come in any shape with the view's number of elements: the view is
     taken inside, where autograd records nothing (no view node each way), and ``y`` goes
     out as a tensor of its own, not a view of the Function's output, so that an in-place
@@ -195,7 +198,8 @@ class NormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, grouping, eps, center, mean, rstd, stats):
+    def forward(ctx, x, weight, bias, spec):
+        grouping, eps, center, mean, rstd, stats = spec
         fixed = mean is not None
         ctx.plan = None
         shape = x.shape
@@ -239,15 +243,15 @@ class NormFunction(torch.autograd.Function):
         dx = (dx if dx.shape == shape else dx.reshape(shape)) if needs[0] else None
         dw = _to_param(dw, weight.shape, weight.dtype, grouping) if needs[1] else None
         db = _to_param(db, *ctx.bias_meta, grouping) if needs[2] else None
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None
 
 
 def _forward_autograd(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
                       rstd=None):
     if _needs_grad(x, weight, bias):
         stats = []
-        y = NormFunction.apply(x, weight, bias, _grouping(kind, view, reduce, param_view), eps,
-                               center, mean, rstd, stats)
+        y = NormFunction.apply(x, weight, bias, (_grouping(kind, view, reduce, param_view), eps,
+                                                 center, mean, rstd, stats))
         if mean is not None:  # fixed: the given statistics are not outputs
             return (y, *_empty_stats(x))
         return (y, *(_own_storage(*stats) if plain_eager(x) else stats))
@@ -302,7 +306,7 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
             if mean is not None and rstd is None:
                 rstd = torch_ops.rstd_from_var(var, eps)
             stats = []
-            y = NormFunction.apply(x, weight, bias, grouping, eps, center, mean, rstd, stats)
+            y = NormFunction.apply(x, weight, bias, (grouping, eps, center, mean, rstd, stats))
             return (y, *stats)
         shape = x.shape
         if shape == grouping.view or x.is_contiguous():     # the plan takes it as it is

@@ -14,8 +14,9 @@ described by a ``normkit.grouping.Grouping``:
     ``-> (dx, dweight, dbias)``, each ``None`` unless asked for in ``needs``
     (three booleans). Implements the hand-derived gradient of ``normkit.reference``.
     ``dweight``/``dbias`` are in the statistics dtype, summed over
-    ``grouping.param_reduce`` with those dims kept (for the ``dims`` grouping: not summed;
-    the caller sums to the parameter's size).
+    ``grouping.param_reduce`` (for the ``dims`` grouping: not summed; the caller sums to
+    the parameter's size), shaped with those dims kept or as the parameter's elements
+    alone (callers reshape).
 
 ``group_moments(x, grouping) -> (mean, var)`` (optional)
     The statistics alone (SyncBatchNorm merges them across processes before it

@@ -148,16 +148,15 @@ class RowsPlan(_Plan):
         grad = grad.contiguous()
         dx = self.empty(x)
         chunks = self.threads
-        partials = torch.zeros((2, chunks, self.k), dtype=self.sdtype)
+        partials = torch.zeros((2, chunks, self.k) if chunks > 1 else (2, self.k),
+                               dtype=self.sdtype)
         w, mean, rstd = self.param(weight, self.ones), self.stat(mean), self.stat(rstd)
         self.run(entries.rows_backward, chunks,
                  (grad.data_ptr(), x.data_ptr(), dx.data_ptr(), w.data_ptr(), mean.data_ptr(),
                   rstd.data_ptr(), partials.data_ptr()),
                  self.m, self.k, chunks, self.proto, self.sproto, self.center,
                  (tuning.stream_out(dx), self.ahead))
-        if chunks > 1:
-            partials = partials.sum(1, keepdim=True)
-        dw, db = partials.unbind(0)                                # (1, K) each
+        dw, db = (partials.sum(1) if chunks > 1 else partials).unbind(0)   # (K,) each
         return _asked(needs, dx, dw, db)
 
 
