@@ -8,8 +8,8 @@ argument that converting tensors to NumPy arrays costs a Python call.
 Conventions: ``at`` is a tuple of addresses in the order the docstring gives; ``proto``
 and ``sproto`` are empty arrays of the storage dtype (``half``: 16-bit floats as
 integers) and of the statistics dtype; statistics blocks are ``(3, units)`` (mean, rstd,
-var, each its own address; with fixed statistics ``var`` is never written and may be any
-address), sums blocks ``(2, ...)``.
+var, each its own address, or 0 for statistics the caller does not keep; with fixed
+statistics ``var`` is never written and may be any address), sums blocks ``(2, ...)``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def rows_forward(at, m, k, proto, sproto, eps, center, out, lo, hi):
     """at = (x, y: (M, K); w, b: (K,); mean, rstd, var: (M,))."""
     x, y = _at(at[0], proto, (m, k)), _at(at[1], proto, (m, k))
     w, b = _at(at[2], sproto, (k,)), _at(at[3], sproto, (k,))
-    stats = (_at(at[4], sproto, (m,)), _at(at[5], sproto, (m,)), _at(at[6], sproto, (m,)))
+    stats = (_stat(at[4], sproto, m), _stat(at[5], sproto, m), _stat(at[6], sproto, m))
     rows.rows_forward(x, y, w, b, eps, center, stats, out, lo, hi)
 
 
@@ -51,10 +51,19 @@ def _forward_arrays(at, ncs, units, proto, sproto, eps, from_var):
     n, c, s = ncs
     x, y = _at(at[0], proto, (n, c, s)), _at(at[1], proto, (n, c, s))
     w, b = _at(at[2], sproto, (c,)), _at(at[3], sproto, (c,))
-    mean, rstd = _at(at[4], sproto, (units,)), _at(at[5], sproto, (units,))
+    mean, rstd = _stat(at[4], sproto, units), _stat(at[5], sproto, units)
     if from_var:   # fixed statistics given as (mean, var): rstd = 1 / sqrt(var + eps)
         rstd = _rstd(rstd, eps)
-    return x, y, w, b, (mean, rstd, _at(at[6], sproto, (units,)))
+    return x, y, w, b, (mean, rstd, _stat(at[6], sproto, units))
+
+
+@register_jitable
+def _stat(address, sproto, units):
+    """The (units,) statistics at ``address``, or scratch for address 0 (the caller
+    keeps no statistics)."""
+    if address == 0:
+        return np.empty(units, sproto.dtype)
+    return _at(address, sproto, (units,))
 
 
 @register_jitable

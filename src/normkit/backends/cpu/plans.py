@@ -81,6 +81,11 @@ class _Plan:
         self.zeros = torch.zeros(params, dtype=self.sdtype)        # bias None
         nbytes = x.numel() * self.itemsize
         self.large = nbytes >= HUGE_MIN_BYTES                      # outputs advised huge pages
+        self.may_stream = nbytes >= tuning.STREAM_BYTES
+
+    def stream(self, out):
+        """``tuning.stream_out(out)``, not asked below its size threshold."""
+        return self.may_stream and tuning.stream_out(out)
 
     def empty(self, x):
         return empty_like(x) if self.large else torch.empty_like(x)
@@ -107,8 +112,11 @@ class _Plan:
         else:
             launch(kernel, total, self.threads, *args)
 
-    def stats(self):
-        """A fresh (3, *stat_shape) block for (mean, rstd, var) and the three addresses."""
+    def stats(self, keep=True):
+        """A fresh (3, *stat_shape) block for (mean, rstd, var) and the three addresses;
+        ``keep=False``: none, addresses 0 (the kernel's own scratch)."""
+        if not keep:
+            return None, (0, 0, 0)
         block = torch.empty(self.stats_block, dtype=self.sdtype)
         first, step = block.data_ptr(), self.stat_count * self.sproto.itemsize
         return block, (first, first + step, first + 2 * step)
@@ -136,12 +144,12 @@ class RowsPlan(_Plan):
 
     def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
         y = self.empty(x)
-        block, stats = self.stats()
+        block, stats = self.stats(keep_stats)
         w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
         self.run(entries.rows_forward, self.m,
                  (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr(), *stats),
                  self.m, self.k, self.proto, self.sproto, float(eps), self.center,
-                 (tuning.stream_out(y), self.ahead))
+                 (self.stream(y), self.ahead))
         return _outputs(y, block, keep_stats)
 
     def backward(self, grad, x, mean, rstd, weight, needs):
@@ -155,7 +163,7 @@ class RowsPlan(_Plan):
                  (grad.data_ptr(), x.data_ptr(), dx.data_ptr(), w.data_ptr(), mean.data_ptr(),
                   rstd.data_ptr(), partials.data_ptr()),
                  self.m, self.k, chunks, self.proto, self.sproto, self.center,
-                 (tuning.stream_out(dx), self.ahead))
+                 (self.stream(dx), self.ahead))
         dw, db = (partials.sum(1) if chunks > 1 else partials).unbind(0)   # (K,) each
         return _asked(needs, dx, dw, db)
 
@@ -197,10 +205,10 @@ class PlanesPlan(_ChannelsPlan):
             mean, given = self.stat(mean), self.stat(var if from_var else rstd)
             stats = (mean.data_ptr(), given.data_ptr(), mean.data_ptr())
         else:
-            block, stats = self.stats()
+            block, stats = self.stats(keep_stats)
         at = (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr(), *stats)
         args = (self.proto, self.sproto, float(eps), self.fixed, from_var)
-        stream = tuning.stream_out(y)
+        stream = self.stream(y)
         if self.small and self.by_channel:
             self.run(entries.channels_small, self.units, at, self.ncs, *args)
         elif self.small:
@@ -225,7 +233,7 @@ class PlanesPlan(_ChannelsPlan):
               rstd.data_ptr(), sums.data_ptr())
         args = (self.proto, self.sproto)
         flags = (self.center, self.fixed)
-        stream = tuning.stream_out(dx)
+        stream = self.stream(dx)
         units = self.c if self.by_channel else self.n * self.groups
         if self.small and self.by_channel:
             self.run(entries.channels_small_backward, units, at, self.ncs, *args, *flags)
