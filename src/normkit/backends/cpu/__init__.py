@@ -110,5 +110,5 @@ def update_running(running_mean, running_var, mean, var, momentum, unbias) -> bo
         mean, var = mean.contiguous(), var.contiguous()
     entries.running_update((running_mean.data_ptr(), running_var.data_ptr(), mean.data_ptr(),
                             var.data_ptr()), running_mean.shape[0], _PROTO[st],
-                           st(1.0 - momentum), st(momentum), st(unbias))
+                           1.0 - momentum, float(momentum), float(unbias))
     return True

@@ -157,7 +157,11 @@ def param_sums(at, n, c, sproto):
 
 @njit(**JIT)
 def running_update(at, c, proto, keep, momentum, unbias):
-    """at = (running_mean, running_var, mean, var), each (C,) of ``proto``'s dtype."""
+    """at = (running_mean, running_var, mean, var), each (C,) of ``proto``'s dtype; the
+    scalars come as Python floats (typing a NumPy scalar argument costs microseconds) and
+    are rounded to that dtype here."""
     values = (_at(at[2], proto, (c,)), _at(at[3], proto, (c,)))
     buffers = (_at(at[0], proto, (c,)), _at(at[1], proto, (c,)))
-    running.running_update(buffers, values, keep, momentum, unbias, np.empty(c, proto.dtype))
+    st = proto.dtype.type
+    running.running_update(buffers, values, st(keep), st(momentum), st(unbias),
+                           np.empty(c, proto.dtype))
