@@ -40,7 +40,7 @@ def register(subparsers) -> None:
                                                  "the data again if one budget of epochs is fewer (default: "
                                                  "mnist1d 1000, digits 0; --quick: 0)")
     p.add_argument("--lr", type=float, help="learning rate at batch 32, scaled linearly with the batch "
-                                            "(default: mnist1d 0.1, digits 0.05)")
+                                            "(default 0.05)")
     p.add_argument("--jobs", type=int, help="worker processes (default: 2 or the number of CPUs if fewer; "
                                             "--quick: 1)")
     p.add_argument("--out", default="study-out", help="output folder (default study-out/)")

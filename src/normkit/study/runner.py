@@ -9,9 +9,9 @@ default the batch size is swept for the methods whose result can depend on it --
 BatchNorm and BatchRenorm, with GroupNorm as the batch-independent reference, as in the
 GroupNorm paper's Figure 1 -- while the other methods (none, LayerNorm, InstanceNorm,
 RMSNorm) run at the smallest, the reference (32) and the largest batch. That keeps the
-default MNIST-1D study near ten minutes on an idle 2-core machine (about 1100 CPU seconds
-at this version's speed; docs/study.md): a run's cost is dominated by its number of steps,
-and the smallest batch has the most.
+default MNIST-1D study within ten minutes on an idle 2-core machine (6 min, about 700 CPU
+seconds at this version's speed; docs/study.md): a run's cost is dominated by its number
+of steps, and the smallest batch has the most.
 
 Reproducible: every run computes with one thread (torch and numba) in whichever process
 runs it, and its randomness comes from its seed alone, so the same command gives the same
@@ -38,14 +38,15 @@ RESULTS_FILE = "results.json"
 # per dataset; n_train / n_test None = the dataset's own split
 DEFAULTS = {
     "mnist1d": dict(batch_sizes=(2, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=1, min_steps=1000,
-                    n_train=20000, n_test=5000, base_lr=0.1),
+                    n_train=data_module.MNIST1D_TRAIN, n_test=data_module.MNIST1D_TEST,
+                    base_lr=0.05),
     "digits": dict(batch_sizes=(2, 4, 8, 16, 32, 64), seeds=(0, 1, 2), epochs=4, min_steps=0, n_train=None,
                    n_test=None, base_lr=0.05),
 }
 # --quick: a few seconds, for tests and a first look; not meant to show anything
 QUICK = {
     "mnist1d": dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, min_steps=0, n_train=200, n_test=100,
-                    base_lr=0.1),
+                    base_lr=0.05),
     "digits": dict(batch_sizes=(4, 16), seeds=(0,), epochs=1, min_steps=0, n_train=192, n_test=96,
                    base_lr=0.05),
 }
