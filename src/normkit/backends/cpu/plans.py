@@ -234,7 +234,7 @@ class PlanesPlan(_ChannelsPlan):
         args = (self.proto, self.sproto)
         flags = (self.center, self.fixed)
         stream = self.stream(dx)
-        units = self.c if self.by_channel else self.n * self.groups
+        units = self.units
         if self.small and self.by_channel:
             self.run(entries.channels_small_backward, units, at, self.ncs, *args, *flags)
         elif self.small:
