@@ -16,8 +16,9 @@ from normkit.backends import _memory
 # ---- threads --------------------------------------------------------------------------
 
 #: elements: a smaller input runs on the calling thread only, because handing a range to
-#: another thread costs more than the work saves
-SERIAL_BELOW = 1 << 16
+#: another thread (waking torch's OpenMP team, each member taking the GIL for its Python
+#: callback) costs 30-90 us, more than the work on the other thread saves below this size
+SERIAL_BELOW = 1 << 19
 
 
 def threads(x) -> int:
