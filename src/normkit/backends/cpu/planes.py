@@ -67,13 +67,18 @@ def _plane_sums(gb, xb, mu, rs, sdt):
 
 
 @register_jitable
-def _unit_coefs(g, x, w, n, c0, cg, stat, flags, sums, sdt):
-    """(c_var, c_mean) of the unit of planes (n, c0 .. c0 + cg) of g, x: (N, C, S), its
-    per-plane sums written to sums = (sg, sgx): (N, C); stat = (mean, rstd) of the unit,
-    flags = (center, fixed)."""
-    mu, rs = stat
+def _unit_coefs(g, x, w, u, groups, stats, flags, sums):
+    """The unit ``u`` of Instance/GroupNorm backward: ``(n, c0, cg, mu, rs, c_var,
+    c_mean)`` for its planes (n, c0 .. c0 + cg) of g, x: (N, C, S), its per-plane sums
+    written to sums = (sg, sgx): (N, C); stats = (mean, rstd) per unit, flags = (center,
+    fixed)."""
+    mean, rstd = stats
     center, fixed = flags
     sg, sgx = sums
+    sdt = mean
+    cg = x.shape[1] // groups
+    n, c0 = u // groups, (u % groups) * cg
+    mu, rs = mean[u], rstd[u]
     count = cg * x.shape[2]
     wsgx, wsg = 0.0, 0.0
     for c in range(c0, c0 + cg):
@@ -83,7 +88,7 @@ def _unit_coefs(g, x, w, n, c0, cg, stat, flags, sums, sdt):
         wsg += w[c] * a
     c_var = like(sdt, 0.0 if fixed else wsgx / count)
     c_mean = like(sdt, wsg / count if center and not fixed else 0.0)
-    return c_var, c_mean
+    return n, c0, cg, mu, rs, c_var, c_mean
 
 
 @njit(**JIT)
@@ -120,15 +125,11 @@ def planes_forward(x, y, w, b, eps, groups, fixed, stats, out, lo, hi):
 def planes_backward(g, x, w, stats, groups, center, fixed, dx, sums, out, lo, hi):
     """Instance/GroupNorm: dx of the units [lo, hi) of x, g: (N, C, S); stats =
     (mean, rstd) per unit; sums = (sg, sgx) written per plane."""
-    mean, rstd = stats
     stream, ahead = out
-    n_, c_, s_ = x.shape
-    cg = c_ // groups
+    c_ = x.shape[1]
     for u in range(lo, hi):
-        n, c0 = u // groups, (u % groups) * cg
-        mu, rs = mean[u], rstd[u]
-        c_var, c_mean = _unit_coefs(g, x, w, n, c0, cg, (mu, rs), (center, fixed), sums,
-                                    mean)
+        n, c0, cg, mu, rs, c_var, c_mean = _unit_coefs(g, x, w, u, groups, stats,
+                                                       (center, fixed), sums)
         for c in range(c0, c0 + cg):                               # unit still in L2
             first, last = n * c_ + c0 + cg, hi * cg - 1
             ahead_planes = (_plane_ahead(g, n, c, ahead, first, last),
@@ -316,14 +317,10 @@ def planes_small(x, y, w, b, eps, groups, fixed, stats, lo, hi):
 def planes_small_backward(g, x, w, stats, groups, center, fixed, dx, sums, lo, hi):
     """Instance/GroupNorm backward on small planes: the per-plane sums and coefficients of
     ``planes_backward``, then its dx formula in one plain loop per plane."""
-    mean, rstd = stats
-    n_, c_, s_ = x.shape
-    cg = c_ // groups
+    s_ = x.shape[2]
     for u in range(lo, hi):
-        n, c0 = u // groups, (u % groups) * cg
-        mu, rs = mean[u], rstd[u]
-        c_var, c_mean = _unit_coefs(g, x, w, n, c0, cg, (mu, rs), (center, fixed), sums,
-                                    mean)
+        n, c0, cg, mu, rs, c_var, c_mean = _unit_coefs(g, x, w, u, groups, stats,
+                                                       (center, fixed), sums)
         for c in range(c0, c0 + cg):
             gr, xr, dr, wc = g[n, c], x[n, c], dx[n, c], w[c]
             for i in range(s_):
