@@ -38,12 +38,13 @@ def rows_forward(at, m, k, proto, sproto, eps, center, out, lo, hi):
 
 @njit(**JIT)
 def rows_backward(at, m, k, chunks, proto, sproto, center, out, lo, hi):
-    """at = (g, x, dx: (M, K); w: (K,); mean, rstd: (M,); partials: (2, chunks, K))."""
+    """at = (g, x, dx: (M, K); w: (K,); mean, rstd: (M,); dw, db partials: (chunks, K)
+    each)."""
     g, x, dx = _at(at[0], proto, (m, k)), _at(at[1], proto, (m, k)), _at(at[2], proto, (m, k))
     w = _at(at[3], sproto, (k,))
     mean, rstd = _at(at[4], sproto, (m,)), _at(at[5], sproto, (m,))
-    p = _at(at[6], sproto, (2, chunks, k))
-    rows.rows_backward(g, x, w, (mean, rstd), center, dx, (p[0], p[1]), out, lo, hi)
+    partials = (_at(at[6], sproto, (chunks, k)), _at(at[7], sproto, (chunks, k)))
+    rows.rows_backward(g, x, w, (mean, rstd), center, dx, partials, out, lo, hi)
 
 
 @register_jitable
@@ -144,15 +145,16 @@ def planes_backward(at, ncs, groups, proto, sproto, center, fixed, out, lo, hi):
 
 @njit(**JIT)
 def param_sums(at, n, c, sproto):
-    """at = (sums: (2, N, C), grads: (2, C)): grads = (dbias, dweight), each per-plane sum
-    added over n in float64 (in the order n = 0, 1, ...), rounded once."""
-    sums, grads = _at(at[0], sproto, (2, n, c)), _at(at[1], sproto, (2, c))
+    """at = (sums: (2, N, C), dbias, dweight: (C,)): each per-plane sum of ``sums``
+    (sg, sgx) added over n in float64 (in the order n = 0, 1, ...), rounded once."""
+    sums = _at(at[0], sproto, (2, n, c))
+    grads = (_at(at[1], sproto, (c,)), _at(at[2], sproto, (c,)))
     for j in range(2):
         for ch in range(c):
             total = 0.0
             for i in range(n):
                 total += np.float64(sums[j, i, ch])
-            grads[j, ch] = total
+            grads[j][ch] = total
 
 
 @njit(**JIT)

@@ -75,7 +75,6 @@ class _Plan:
         self.threads = tuning.threads(x)
         self.stat_shape = grouping.stat_shape
         self.stat_count = math.prod(self.stat_shape)
-        self.stats_block = (3, *self.stat_shape)
         self.params = params                                       # elements per weight
         self.ones = torch.ones(params, dtype=self.sdtype)          # weight None
         self.zeros = torch.zeros(params, dtype=self.sdtype)        # bias None
@@ -113,13 +112,16 @@ class _Plan:
             launch(kernel, total, self.threads, *args)
 
     def stats(self, keep=True):
-        """A fresh (3, *stat_shape) block for (mean, rstd, var) and the three addresses;
-        ``keep=False``: none, addresses 0 (the kernel's own scratch)."""
+        """Fresh (mean, rstd, var) tensors of ``stat_shape`` and their three addresses;
+        ``keep=False``: none, addresses 0 (the kernel's own scratch). Three tensors, not
+        the rows of one block: a row is a view, and views cost autograd several
+        microseconds more per call when saved for backward (``docs/performance.md``)."""
         if not keep:
             return None, (0, 0, 0)
-        block = torch.empty(self.stats_block, dtype=self.sdtype)
-        first, step = block.data_ptr(), self.stat_count * self.sproto.itemsize
-        return block, (first, first + step, first + 2 * step)
+        shape, sdtype = self.stat_shape, self.sdtype
+        stats = (torch.empty(shape, dtype=sdtype), torch.empty(shape, dtype=sdtype),
+                 torch.empty(shape, dtype=sdtype))
+        return stats, (stats[0].data_ptr(), stats[1].data_ptr(), stats[2].data_ptr())
 
 
 def _asked(needs, *grads):
@@ -127,11 +129,11 @@ def _asked(needs, *grads):
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
-def _outputs(y, block, keep_stats):
-    """``(y, mean, rstd, var)``, the statistics as the block's rows (None unless kept)."""
+def _outputs(y, stats, keep_stats):
+    """``(y, mean, rstd, var)``, the statistics None unless kept."""
     if not keep_stats:
         return y, None, None, None
-    return (y, *block.unbind(0))
+    return (y, *stats)
 
 
 class RowsPlan(_Plan):
@@ -144,27 +146,29 @@ class RowsPlan(_Plan):
 
     def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
         y = self.empty(x)
-        block, stats = self.stats(keep_stats)
+        stats, at = self.stats(keep_stats)
         w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
         self.run(entries.rows_forward, self.m,
-                 (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr(), *stats),
+                 (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr(), *at),
                  self.m, self.k, self.proto, self.sproto, float(eps), self.center,
                  (self.stream(y), self.ahead))
-        return _outputs(y, block, keep_stats)
+        return _outputs(y, stats, keep_stats)
 
     def backward(self, grad, x, mean, rstd, weight, needs):
         grad = grad.contiguous()
         dx = self.empty(x)
         chunks = self.threads
-        partials = torch.zeros((2, chunks, self.k) if chunks > 1 else (2, self.k),
-                               dtype=self.sdtype)
+        # dw, db as tensors of their own (views of one block cost autograd more per call)
+        shape = (chunks, self.k) if chunks > 1 else (self.k,)
+        dw, db = torch.zeros(shape, dtype=self.sdtype), torch.zeros(shape, dtype=self.sdtype)
         w, mean, rstd = self.param(weight, self.ones), self.stat(mean), self.stat(rstd)
         self.run(entries.rows_backward, chunks,
                  (grad.data_ptr(), x.data_ptr(), dx.data_ptr(), w.data_ptr(), mean.data_ptr(),
-                  rstd.data_ptr(), partials.data_ptr()),
+                  rstd.data_ptr(), dw.data_ptr(), db.data_ptr()),
                  self.m, self.k, chunks, self.proto, self.sproto, self.center,
                  (self.stream(dx), self.ahead))
-        dw, db = (partials.sum(1) if chunks > 1 else partials).unbind(0)   # (K,) each
+        if chunks > 1:
+            dw, db = dw.sum(0), db.sum(0)                          # (K,) each
         return _asked(needs, dx, dw, db)
 
 
@@ -179,7 +183,6 @@ class _ChannelsPlan(_Plan):
         self.n, self.c, self.s = _ncs_shape(grouping)
         super().__init__(x, grouping, center, fixed, self.c)
         self.groups = _groups(grouping, self.c)
-        self.pshape = grouping.param_view
 
 
 class PlanesPlan(_ChannelsPlan):
@@ -203,10 +206,10 @@ class PlanesPlan(_ChannelsPlan):
         from_var = rstd is None and var is not None
         if self.fixed:     # read, never written (the third: unused); rstd, or var for it
             mean, given = self.stat(mean), self.stat(var if from_var else rstd)
-            stats = (mean.data_ptr(), given.data_ptr(), mean.data_ptr())
+            addresses = (mean.data_ptr(), given.data_ptr(), mean.data_ptr())
         else:
-            block, stats = self.stats(keep_stats)
-        at = (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr(), *stats)
+            stats, addresses = self.stats(keep_stats)
+        at = (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr(), *addresses)
         args = (self.proto, self.sproto, float(eps), self.fixed, from_var)
         stream = self.stream(y)
         if self.small and self.by_channel:
@@ -221,7 +224,7 @@ class PlanesPlan(_ChannelsPlan):
                      (stream, self.ahead))
         if self.fixed:
             return y, mean, rstd, None
-        return _outputs(y, block, keep_stats)
+        return _outputs(y, stats, keep_stats)
 
     def backward(self, grad, x, mean, rstd, weight, needs):
         if not grad.is_contiguous():
@@ -247,9 +250,11 @@ class PlanesPlan(_ChannelsPlan):
             self.run(entries.planes_backward, units, at, self.ncs, self.groups, *args, *flags,
                      (stream, self.ahead))
         # dbias, dweight: the per-plane sums over n, in float64
-        grads = torch.empty((2, *self.pshape), dtype=self.sdtype)
-        entries.param_sums((sums.data_ptr(), grads.data_ptr()), self.n, self.c, self.sproto)
-        db, dw = grads.unbind(0)
+        # (C,) tensors of their own: the weight's usual shape, no view on the way out
+        db = torch.empty(self.c, dtype=self.sdtype)
+        dw = torch.empty(self.c, dtype=self.sdtype)
+        entries.param_sums((sums.data_ptr(), db.data_ptr(), dw.data_ptr()), self.n, self.c,
+                           self.sproto)
         return _asked(needs, dx, dw, db)
 
 
@@ -284,10 +289,9 @@ class ChannelsLastPlan(_ChannelsPlan):
         return np_view(self.param(p, default)).reshape(self.params)
 
     def np_stats(self):
-        """A fresh statistics block, its rows as tensors (mean, rstd, var) and as arrays."""
-        block = torch.empty(self.stats_block, dtype=self.sdtype)
-        arrays = block.numpy().reshape(3, self.stat_count)
-        return block.unbind(0), (arrays[0], arrays[1], arrays[2])
+        """Fresh statistics (``stats``): as tensors (mean, rstd, var) and as flat arrays."""
+        tensors, _ = self.stats()
+        return tensors, tuple(t.numpy().reshape(self.stat_count) for t in tensors)
 
     def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
         if self.fixed and rstd is None:
@@ -339,5 +343,5 @@ class ChannelsLastPlan(_ChannelsPlan):
         dx = self.empty(x)
         self.run(cl.nc_grad_apply, n * self.parts, gt, xt, _cl_flat(_ncs(dx, g)), c, self.parts,
                  (stats_nc[0], *coefs), tuning.stream_out(dx))
-        dw, db = (torch.from_numpy(t).view(self.pshape) for t in grads)
+        dw, db = (torch.from_numpy(t) for t in grads)              # (C,), not views
         return _asked(needs, dx, dw, db)
