@@ -68,8 +68,9 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
     ``fixed_rstd``, or ``fixed_var`` instead of the rstd. ``y`` is never a view of ``x``,
     so callers may modify it in place."""
     if ops.decomposing():
-        if fixed_mean is not None and fixed_rstd is None:
-            fixed_rstd = torch_ops.rstd_from_var(fixed_var, eps)
+        if fixed_mean is not None:
+            fixed_mean, fixed_rstd = torch_ops.fixed_stats(grouping, fixed_mean, fixed_rstd,
+                                                           fixed_var, eps)
         y, mean, _, var = torch_ops.forward(x.reshape(grouping.view), grouping, weight, bias,
                                             eps, center, fixed_mean, fixed_rstd)
         return y.reshape(x.shape), mean, var

@@ -92,8 +92,9 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if not training and running_mean is None:
         training = True  # no running statistics to use: normalize with the batch's, as torch
     if not training:
-        sdtype, shape = stat_dtype(input.dtype), grouping.stat_shape
-        mean, var = running_mean.to(sdtype).view(shape), running_var.to(sdtype).view(shape)
+        sdtype = stat_dtype(input.dtype)
+        # (C,) as they are: the paths that broadcast them view them (torch_ops.fixed_stats)
+        mean, var = running_mean.to(sdtype), running_var.to(sdtype)
         return apply_norm(input, grouping, weight, bias, eps, True, mean, stats=False,
                           fixed_var=var)[0]
     y, mean, var = apply_norm(input, grouping, weight, bias, eps)

@@ -303,8 +303,8 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     the backend's plan otherwise. Traced, it is the operator call on the view."""
     if plain_eager(x):
         if _needs_grad(x, weight, bias):
-            if mean is not None and rstd is None:
-                rstd = torch_ops.rstd_from_var(var, eps)
+            if mean is not None:
+                mean, rstd = torch_ops.fixed_stats(grouping, mean, rstd, var, eps)
             stats = []
             y = NormFunction.apply(x, weight, bias, (grouping, eps, center, mean, rstd, stats))
             return (y, *stats)
@@ -316,8 +316,8 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
         y, *stats = backends.plan(xv, grouping, center, mean is not None).forward(
             xv, weight, bias, eps, mean, rstd, keep_stats, var)
         return (y.reshape(shape), *stats)
-    if mean is not None and rstd is None:
-        rstd = torch_ops.rstd_from_var(var, eps)
+    if mean is not None:
+        mean, rstd = torch_ops.fixed_stats(grouping, mean, rstd, var, eps)
     y, *stats = _forward_op(x.reshape(grouping.view), weight, bias, *grouping_args(grouping),
                             eps, center, mean, rstd)
     return (y.reshape(x.shape), *stats)

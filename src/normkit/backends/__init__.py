@@ -100,8 +100,8 @@ class BackendPlan:
         self.center, self.fixed = center, fixed
 
     def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
-        if mean is not None and rstd is None:
-            rstd = torch_ops.rstd_from_var(var, eps)
+        if mean is not None:
+            mean, rstd = torch_ops.fixed_stats(self.grouping, mean, rstd, var, eps)
         view = self.grouping.view
         y, mean, rstd, var = self.backend.forward(x.reshape(view), self.grouping, weight, bias,
                                                   eps, self.center, mean, rstd)

@@ -31,6 +31,18 @@ def rstd_from_var(var, eps):
     return torch.rsqrt(var + eps)
 
 
+def fixed_stats(grouping, mean, rstd, var, eps):
+    """Fixed statistics ``(mean, rstd)`` in ``grouping.stat_shape``, as every path that
+    broadcasts them takes them: rstd from ``var`` when given as a variance, and eval
+    BatchNorm's running buffers, which come as (C,), viewed. (The CPU plans take the
+    statistics as memory and need neither.)"""
+    if rstd is None:
+        rstd = rstd_from_var(var, eps)
+    shape = grouping.stat_shape
+    return (mean if mean.shape == shape else mean.view(shape),
+            rstd if rstd.shape == shape else rstd.view(shape))
+
+
 def compute_stats(xs, grouping, eps, center):
     """``(mean, var, rstd)`` of each group of the view ``xs`` (already in stat dtype).
 
