@@ -84,13 +84,34 @@ def _backward_arrays(at, ncs, units, proto, sproto):
                 _at(at[2], proto, (n, c, s)))
     w = _at(at[3], sproto, (c,))
     mean, rstd = _at(at[4], sproto, (units,)), _at(at[5], sproto, (units,))
-    sums = _at(at[6], sproto, (2, n, c))
+    sums = _at(at[6], sproto, (2, n, c)) if at[6] != 0 else np.empty((2, n, c), sproto.dtype)
     return g, x, dx, w, (mean, rstd), (sums[0], sums[1])
+
+
+@register_jitable
+def _sum_planes(sums, db, dw):
+    """dbias, dweight (C,): each per-plane sum of ``sums = (sg, sgx)`` (N, C) added over n
+    in float64 (in the order n = 0, 1, ...), rounded once."""
+    for grad, per_plane in ((db, sums[0]), (dw, sums[1])):
+        for ch in range(per_plane.shape[1]):
+            total = 0.0
+            for i in range(per_plane.shape[0]):
+                total += np.float64(per_plane[i, ch])
+            grad[ch] = total
+
+
+@register_jitable
+def _grads_here(at, sums, c, sproto):
+    """dbias, dweight at at[7], at[8] from this call's sums: a serial call covers every
+    plane (address 0: the plan adds them up with ``param_sums`` after its threads)."""
+    if at[7] != 0:
+        _sum_planes(sums, _at(at[7], sproto, (c,)), _at(at[8], sproto, (c,)))
 
 
 # forward: at = (x, y: (N, C, S); w, b: (C,); mean, rstd, var: (units,)), read when fixed;
 # from_var: at[5] holds the variance, rstd is computed from it
-# backward: at = (g, x, dx: (N, C, S); w: (C,); mean, rstd: (units,); sums: (2, N, C))
+# backward: at = (g, x, dx: (N, C, S); w: (C,); mean, rstd: (units,); sums: (2, N, C) or 0
+# for scratch; db, dw: (C,) written here, or 0 each)
 
 
 @njit(**JIT)
@@ -123,38 +144,36 @@ def planes_forward(at, ncs, groups, proto, sproto, eps, fixed, from_var, out, lo
 def channels_small_backward(at, ncs, proto, sproto, center, fixed, lo, hi):
     g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[1], proto, sproto)
     planes.channels_small_backward(g, x, w, stats, center, fixed, dx, sums, lo, hi)
+    _grads_here(at, sums, ncs[1], sproto)
 
 
 @njit(**JIT)
 def channels_backward(at, ncs, proto, sproto, block, center, fixed, stream, lo, hi):
     g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[1], proto, sproto)
     planes.channels_backward(g, x, w, stats, block, center, fixed, dx, sums, stream, lo, hi)
+    _grads_here(at, sums, ncs[1], sproto)
 
 
 @njit(**JIT)
 def planes_small_backward(at, ncs, groups, proto, sproto, center, fixed, lo, hi):
     g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[0] * groups, proto, sproto)
     planes.planes_small_backward(g, x, w, stats, groups, center, fixed, dx, sums, lo, hi)
+    _grads_here(at, sums, ncs[1], sproto)
 
 
 @njit(**JIT)
 def planes_backward(at, ncs, groups, proto, sproto, center, fixed, out, lo, hi):
     g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[0] * groups, proto, sproto)
     planes.planes_backward(g, x, w, stats, groups, center, fixed, dx, sums, out, lo, hi)
+    _grads_here(at, sums, ncs[1], sproto)
 
 
 @njit(**JIT)
 def param_sums(at, n, c, sproto):
-    """at = (sums: (2, N, C), dbias, dweight: (C,)): each per-plane sum of ``sums``
-    (sg, sgx) added over n in float64 (in the order n = 0, 1, ...), rounded once."""
+    """at = (sums: (2, N, C), dbias, dweight: (C,)): ``_sum_planes`` after a threaded
+    backward."""
     sums = _at(at[0], sproto, (2, n, c))
-    grads = (_at(at[1], sproto, (c,)), _at(at[2], sproto, (c,)))
-    for j in range(2):
-        for ch in range(c):
-            total = 0.0
-            for i in range(n):
-                total += np.float64(sums[j, i, ch])
-            grads[j][ch] = total
+    _sum_planes((sums[0], sums[1]), _at(at[1], sproto, (c,)), _at(at[2], sproto, (c,)))
 
 
 @njit(**JIT)

@@ -230,10 +230,17 @@ class PlanesPlan(_ChannelsPlan):
         if not grad.is_contiguous():
             grad = grad.contiguous()
         dx = self.empty(x)
-        sums = torch.empty((2, self.n, self.c), dtype=self.sdtype)
+        # dbias, dweight: the per-plane sums over n, in float64, as (C,) tensors of their
+        # own (the weight's usual shape, no view on the way out); a serial call adds them
+        # up in its kernel, a threaded one leaves its sums to param_sums
+        db = torch.empty(self.c, dtype=self.sdtype)
+        dw = torch.empty(self.c, dtype=self.sdtype)
+        serial = self.threads == 1 or self.units == 1
+        sums = None if serial else torch.empty((2, self.n, self.c), dtype=self.sdtype)
         w, mean, rstd = self.param(weight, self.ones), self.stat(mean), self.stat(rstd)
         at = (grad.data_ptr(), x.data_ptr(), dx.data_ptr(), w.data_ptr(), mean.data_ptr(),
-              rstd.data_ptr(), sums.data_ptr())
+              rstd.data_ptr(), *((0, db.data_ptr(), dw.data_ptr()) if serial
+                                 else (sums.data_ptr(), 0, 0)))
         args = (self.proto, self.sproto)
         flags = (self.center, self.fixed)
         stream = self.stream(dx)
@@ -249,12 +256,9 @@ class PlanesPlan(_ChannelsPlan):
         else:
             self.run(entries.planes_backward, units, at, self.ncs, self.groups, *args, *flags,
                      (stream, self.ahead))
-        # dbias, dweight: the per-plane sums over n, in float64
-        # (C,) tensors of their own: the weight's usual shape, no view on the way out
-        db = torch.empty(self.c, dtype=self.sdtype)
-        dw = torch.empty(self.c, dtype=self.sdtype)
-        entries.param_sums((sums.data_ptr(), db.data_ptr(), dw.data_ptr()), self.n, self.c,
-                           self.sproto)
+        if not serial:
+            entries.param_sums((sums.data_ptr(), db.data_ptr(), dw.data_ptr()), self.n,
+                               self.c, self.sproto)
         return _asked(needs, dx, dw, db)
 
 
