@@ -4,7 +4,7 @@
 (torch's C++ extension loader: needs a C++ compiler and ninja, about 40 s the first time,
 cached after), hands it the addresses of normkit's numba row kernels compiled as ``cfunc``s,
 checks the result against ``torch.nn.functional.layer_norm`` and prints, per call on one
-thread (best of 11 rounds of 3000 calls, three interleaved rounds), LayerNorm (4, 64)
+thread (CPU time, best of 11 rounds of 3000 calls, three interleaved rounds), LayerNorm (4, 64)
 forward + backward and forward without grad: the prototype, torch and normkit's functional.
 Not part of the library or the tests; the figures are in docs/performance.md ("A C++
 autograd node, measured").
@@ -23,6 +23,7 @@ from torch.utils.cpp_extension import load
 import normkit
 from normkit.backends.cpu import rows
 from normkit.backends.cpu.address import at
+from normkit.bench.models import per_call_us
 
 F32 = np.empty(0, np.float32)   # the storage dtype, a compile-time constant of the cfuncs
 
@@ -45,18 +46,6 @@ def backward_kernel(a):
     w, stats = at(a[5], F32, (k,)), (at(a[6], F32, (m,)), at(a[7], F32, (m,)))
     partials = (at(a[8], F32, (1, k)), at(a[9], F32, (1, k)))
     rows.rows_backward(g, x, w, stats, True, dx, partials, (False, 1), 0, 1)
-
-
-def _per_call_us(fn, calls=3000, rounds=11):
-    for _ in range(100):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
 
 
 def main():
@@ -87,9 +76,9 @@ def main():
              "normkit.functional": lambda: normkit.functional.layer_norm(x, (64,), w, b)}
     print("LayerNorm (4, 64) float32, one thread, us per call (three interleaved rounds)")
     for _ in range(3):
-        fb = {k: _per_call_us(lambda f=f: f().backward(g)) for k, f in calls.items()}
+        fb = {k: per_call_us(lambda f=f: f().backward(g), 3000, 11) for k, f in calls.items()}
         with torch.no_grad():
-            fwd = {k: _per_call_us(f) for k, f in calls.items()}
+            fwd = {k: per_call_us(f, 3000, 11) for k, f in calls.items()}
         print("  " + "   ".join(f"{k}: fwd {fwd[k]:.1f}, fwd+bwd {fb[k]:.1f}" for k in calls))
 
 

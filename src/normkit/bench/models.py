@@ -193,7 +193,9 @@ def _calls():
 CALLS = tuple(_calls())
 
 
-def _per_call_us(fn, calls, repeats):
+def per_call_us(fn, calls, repeats):
+    """Microseconds of CPU time of the calling thread per ``fn()``, best of ``repeats``
+    rounds of ``calls`` calls, after a warm-up."""
     for _ in range(calls // 10 + 10):
         fn()
     best = float("inf")
@@ -226,7 +228,7 @@ def run_calls(calls=300, repeats=15):
                     else:
                         def fn(layer=layer):
                             layer(xg).sum().backward()
-                    us[lib] = _per_call_us(fn, calls, repeats)
+                    us[lib] = per_call_us(fn, calls, repeats)
                 rows.append(dict(case=case, pass_=kind, normkit_us=us["normkit"],
                                  torch_us=us["torch"], ratio=us["normkit"] / us["torch"]))
     finally:
