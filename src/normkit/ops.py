@@ -104,8 +104,8 @@ def _forward_impl(x, weight, bias, kind, view, reduce, param_view, eps, center, 
 
 
 def _own_storage(*stats):
-    """The statistics as outputs of an operator, which must not share memory (a plan
-    allocates them as rows of one block)."""
+    """The statistics as outputs of an operator: memory of their own, contiguous, as the
+    fake kernel promises (a backend may return views or aliases of its own buffers)."""
     return tuple(t.clone(memory_format=torch.contiguous_format) for t in stats)
 
 
