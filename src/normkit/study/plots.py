@@ -150,7 +150,8 @@ def plot_train_eval(summary, protocol, path):
     _batch_axis(ax1, bs)
     ax1.set_ylabel("test error (%)")
     ax1.set_title("BatchNorm: running averages (eval) vs batch statistics (train)", fontsize=10)
-    ax1.legend(fontsize=8)
+    if ax1.get_legend_handles_labels()[0]:      # a grid without BatchNorm leaves it empty
+        ax1.legend(fontsize=8)
     for m in protocol["methods"]:
         x, ev, _ = _series(summary, m, bs, "test_error")
         _, tr, _ = _series(summary, m, bs, "test_error_train_mode")
