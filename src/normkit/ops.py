@@ -295,8 +295,9 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     shape (with fixed statistics: the given ``mean`` and ``rstd`` and ``var = None`` in
     eager mode, empty tensors when traced; ``keep_stats=False``: the caller wants ``y``
     alone, the statistics may be None). Fixed statistics may be given as ``mean`` and
-    ``var`` (``rstd=None``): eval BatchNorm's running statistics; without a gradient to
-    record, the kernel computes ``rstd = 1 / sqrt(var + eps)`` as it normalizes.
+    ``var`` (``rstd=None``): eval BatchNorm's running statistics, as (C,) buffers or in
+    the grouping's ``stat_shape``; without a gradient to record, the kernel computes
+    ``rstd = 1 / sqrt(var + eps)`` as it normalizes.
 
     In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
     and runs what they would run: ``NormFunction`` when an input requires a gradient,
