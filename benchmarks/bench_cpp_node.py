@@ -1,9 +1,9 @@
 """Prototype: what a C++ autograd node would save, per call and in a whole model.
 
-`python benchmarks/bench_cpp_node.py` compiles ``benchmarks/cpp_node/layer_norm.cpp`` and
-``batch_norm.cpp`` (torch's C++ extension loader: needs a C++ compiler and ninja, about 40 s
-each the first time, cached after) and hands them the addresses of normkit's numba kernels
-compiled as ``cfunc``s. Then, each checked against torch.nn first:
+`python benchmarks/bench_cpp_node.py` compiles ``benchmarks/cpp_node/prototypes.cpp``
+(torch's C++ extension loader: needs a C++ compiler and ninja, about 40 s the first time,
+cached after) and hands it the addresses of normkit's numba kernels compiled as
+``cfunc``s. Then, each checked against torch.nn first:
 
 1. LayerNorm (4, 64) per call on one thread (CPU time, best of 11 rounds of 3000 calls,
    three interleaved rounds), forward + backward and forward without grad: the prototype,
@@ -73,14 +73,6 @@ def bn_backward_kernel(a):
     n, c, s = a[0], a[1], a[2]
     addresses = (a[3], a[4], a[5], a[6], a[7], a[8], 0, a[9], a[10])
     entries.channels_small_backward(addresses, (n, c, s), F32, F32, True, False, 0, c)
-
-
-def _extension(name, source):
-    start = time.time()
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpp_node", source)
-    ext = load(name=name, sources=[path], extra_cflags=["-O2"])
-    print(f"{source}: extension ready in {time.time() - start:.0f} s")
-    return ext
 
 
 def layer_norm_calls(ext):
@@ -172,7 +164,6 @@ def _best_step_ms(step, model, x, steps=200, rounds=7):
 
 
 def study_cnn_steps(ext):
-    ext.set_kernels(bn_forward_kernel.address, bn_backward_kernel.address)
     cls = _prototype_batch_norm(ext)
     _check_batch_norm(cls)
     torch.set_num_threads(2)
@@ -194,10 +185,15 @@ def study_cnn_steps(ext):
 
 
 def main():
-    ext = _extension("normkit_cpp_node_layer_norm", "layer_norm.cpp")
-    ext.set_kernels(ln_forward_kernel.address, ln_backward_kernel.address)
+    start = time.time()
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpp_node",
+                          "prototypes.cpp")
+    ext = load(name="normkit_cpp_node_prototypes", sources=[source], extra_cflags=["-O2"])
+    print(f"extension ready in {time.time() - start:.0f} s")
+    ext.set_kernels(ln_forward_kernel.address, ln_backward_kernel.address,
+                    bn_forward_kernel.address, bn_backward_kernel.address)
     layer_norm_calls(ext)
-    study_cnn_steps(_extension("normkit_cpp_node_batch_norm", "batch_norm.cpp"))
+    study_cnn_steps(ext)
 
 
 if __name__ == "__main__":
