@@ -75,19 +75,18 @@ def _unit_coefs(g, x, w, u, groups, stats, flags, sums):
     mean, rstd = stats
     center, fixed = flags
     sg, sgx = sums
-    sdt = mean
     cg = x.shape[1] // groups
     n, c0 = u // groups, (u % groups) * cg
     mu, rs = mean[u], rstd[u]
     count = cg * x.shape[2]
     wsgx, wsg = 0.0, 0.0
     for c in range(c0, c0 + cg):
-        a, q = _plane_sums(g[n, c], x[n, c], mu, rs, sdt)
+        a, q = _plane_sums(g[n, c], x[n, c], mu, rs, mean)
         sg[n, c], sgx[n, c] = a, q
         wsgx += w[c] * q
         wsg += w[c] * a
-    c_var = like(sdt, 0.0 if fixed else wsgx / count)
-    c_mean = like(sdt, wsg / count if center and not fixed else 0.0)
+    c_var = like(mean, 0.0 if fixed else wsgx / count)
+    c_mean = like(mean, wsg / count if center and not fixed else 0.0)
     return n, c0, cg, mu, rs, c_var, c_mean
 
 
