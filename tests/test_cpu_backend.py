@@ -11,7 +11,7 @@ import normkit.functional as NF  # noqa: E402
 from normkit import backends  # noqa: E402
 from normkit import grouping as G  # noqa: E402
 from normkit.backends import cpu, torch_ops  # noqa: E402
-from normkit.backends.cpu import entries  # noqa: E402
+from normkit.backends.cpu import entries, native  # noqa: E402
 
 
 def test_dispatch_picks_the_numba_backend_on_cpu():
@@ -39,6 +39,7 @@ def test_layout_names_the_kernel_family():
 
 
 def test_functional_runs_the_numba_kernels(monkeypatch):
+    """(the Python plans' path; the C++ node's is in test_native.py)"""
     calls = []
     real = entries.rows_forward
 
@@ -47,7 +48,11 @@ def test_functional_runs_the_numba_kernels(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(entries, "rows_forward", spy)
-    NF.layer_norm(torch.randn(3, 7), [7])
+    native.switch(False)
+    try:
+        NF.layer_norm(torch.randn(3, 7), [7])
+    finally:
+        native.switch(True)
     assert calls
 
 

@@ -303,16 +303,24 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     and runs what they would run: ``NormFunction`` when an input requires a gradient,
     the backend's plan otherwise. Traced, it is the operator call on the view."""
     if plain_eager(x):
-        if _needs_grad(x, weight, bias):
+        grad = _needs_grad(x, weight, bias)
+        contiguous = x.is_contiguous()
+        if contiguous:
+            plan = backends.plan(x, grouping, center, mean is not None)
+            if plan.native is not None:                     # the C++ node: small calls
+                return _native(plan.native, grad, x, weight, bias, eps, mean, rstd, var,
+                               keep_stats)
+        if grad:
             if mean is not None:
                 mean, rstd = torch_ops.fixed_stats(grouping, mean, rstd, var, eps)
             stats = []
             y = NormFunction.apply(x, weight, bias, (grouping, eps, center, mean, rstd, stats))
             return (y, *stats)
         shape = x.shape
-        if shape == grouping.view or x.is_contiguous():     # the plan takes it as it is
-            return backends.plan(x, grouping, center, mean is not None).forward(
-                x, weight, bias, eps, mean, rstd, keep_stats, var)
+        if contiguous or shape == grouping.view:            # the plan takes it as it is
+            if not contiguous:
+                plan = backends.plan(x, grouping, center, mean is not None)
+            return plan.forward(x, weight, bias, eps, mean, rstd, keep_stats, var)
         xv = x.reshape(grouping.view)
         y, *stats = backends.plan(xv, grouping, center, mean is not None).forward(
             xv, weight, bias, eps, mean, rstd, keep_stats, var)
@@ -322,6 +330,20 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     y, *stats = _forward_op(x.reshape(grouping.view), weight, bias, *grouping_args(grouping),
                             eps, center, mean, rstd)
     return (y.reshape(x.shape), *stats)
+
+
+def _native(node, grad, x, weight, bias, eps, mean, rstd, var, keep_stats):
+    """``norm_forward`` by a plan's C++ node (``normkit.backends.cpu.native``): recorded
+    for autograd when ``grad``, else one kernel call."""
+    if grad:
+        out = node.apply(x, weight, bias, eps, mean, rstd, var)
+    else:
+        from_var = mean is not None and rstd is None
+        out = node.forward(x, weight, bias, eps, mean, var if from_var else rstd, from_var,
+                           keep_stats)
+    if len(out) == 4:
+        return tuple(out)
+    return out[0], mean, rstd, None
 
 
 def norm_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs):

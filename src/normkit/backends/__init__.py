@@ -95,6 +95,8 @@ class BackendPlan:
     """The plan of a backend without its own: its ``forward`` and ``backward`` with the
     grouping bound (output laid out as ``torch.empty_like(x)``, as the plans promise)."""
 
+    native = None           # no C++ node (``normkit.backends.cpu.native``)
+
     def __init__(self, backend, grouping, center, fixed):
         self.backend, self.grouping = backend, grouping     # (x viewed inside)
         self.center, self.fixed = center, fixed

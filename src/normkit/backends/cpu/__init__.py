@@ -42,7 +42,7 @@ from normkit.backends.cpu import _cache
 _cache.check_package_cache()    # before any kernel is loaded from the cache
 
 from normkit.backends.cpu.plans import ChannelsLastPlan, PlanesPlan, RowsPlan  # noqa: E402
-from normkit.backends.cpu import entries  # noqa: E402
+from normkit.backends.cpu import entries, native  # noqa: E402
 
 __all__ = ["backward", "forward", "plan", "supports", "update_running"]
 
@@ -77,8 +77,11 @@ def supports(x, grouping, center=True, fixed=False) -> bool:
 
 def plan(x, grouping, center=True, fixed=False):
     """The plan of the family that runs ``x`` (``supports`` true; the view or any shape
-    that views as it); see ``plans``."""
-    return _FAMILIES[layout(x.view(grouping.view), grouping)](x, grouping, center, fixed)
+    that views as it); see ``plans``. Its ``native`` is the C++ node that runs its small
+    calls (``native``), or None."""
+    found = _FAMILIES[layout(x.view(grouping.view), grouping)](x, grouping, center, fixed)
+    found.native = native.node(found)
+    return found
 
 
 # the module-level interface (the residual-add norms, SyncBatchNorm) runs the cached plans

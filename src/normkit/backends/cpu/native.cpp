@@ -1,0 +1,252 @@
+// normkit's small-call path in C++: a normalization as a torch::autograd::Function whose
+// forward and backward allocate with ATen and run normkit's numba kernels, compiled as
+// C callbacks (numba cfuncs, see native.py) and called through their addresses.
+//
+// Why: on a small tensor a call's cost is the Python around the kernel, most of it the
+// Python autograd.Function (docs/performance.md, "A C++ autograd node, measured"). Here the
+// node, the allocation and the launch cost what torch's own ops cost.
+//
+// A Plan holds what native.py decided once per shape (plans.py's plan of the same input):
+// the two kernels and their constant arguments, the statistics' shape and dtype, the
+// defaults for a missing weight or bias, and the grouping, for the double backward.
+//
+// Kernel arguments, an int64 array (and eps, a double):
+//   forward:  x, y, w, b, mean, rstd, var, from_var, <forward constants>
+//   backward: g, x, dx, w, mean, rstd, dw, db, <backward constants>
+// (addresses of contiguous memory; a statistics address 0: the kernel's own scratch;
+// from_var: the fixed statistics are a mean and a variance, rstd computed in the kernel).
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+using Tensor = at::Tensor;
+
+typedef void (*kernel_fn)(int64_t*, double);
+
+constexpr int kAddresses = 8;   // slots before the constants, either direction
+constexpr int kMaxArgs = 24;
+
+struct Plan : torch::CustomClassHolder {
+  kernel_fn forward_kernel = nullptr, backward_kernel = nullptr;
+  std::vector<int64_t> forward_consts, backward_consts, stat_shape;
+  Tensor ones, zeros;           // weight, bias when None: (params,) of the statistics dtype
+  bool zero_grads = false;      // the backward kernel adds into dw, db (rows): zero them
+  // the grouping, as torch.ops.normkit.norm_backward takes it (double backward)
+  std::string kind;
+  std::vector<int64_t> view, reduce;
+  c10::optional<std::vector<int64_t>> param_view;
+  bool center = true;
+
+  at::ScalarType sdtype() const { return ones.scalar_type(); }
+
+  // a weight or bias as contiguous memory of the statistics dtype
+  Tensor param(const Tensor& p, const Tensor& fallback) const {
+    if (!p.defined()) return fallback;
+    if (p.scalar_type() != sdtype() || !p.is_contiguous())
+      return p.detach().to(sdtype()).contiguous();
+    return p;
+  }
+
+  // given statistics (fixed or saved) the same way
+  Tensor stat(const Tensor& t) const {
+    if (t.scalar_type() != sdtype() || !t.is_contiguous()) return t.to(sdtype()).contiguous();
+    return t;
+  }
+
+  int64_t args(int64_t* a, std::initializer_list<int64_t> addresses,
+               const std::vector<int64_t>& consts) const {
+    int64_t i = 0;
+    for (int64_t v : addresses) a[i++] = v;
+    for (int64_t v : consts) a[i++] = v;
+    return i;
+  }
+};
+
+int64_t address(const Tensor& t) { return t.defined() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0; }
+
+void check_input(const Plan& p, const Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(),
+              "normkit native plan: expected a contiguous CPU tensor, got sizes ", x.sizes(),
+              " strides ", x.strides(), "; the Python path takes any layout");
+}
+
+// y (and the statistics, unless fixed or not kept) of one forward call. Fixed statistics:
+// fixed_mean and fixed (the rstd, or the variance with from_var).
+tensor_list run_forward(const Plan& p, const Tensor& x, const Tensor& w, const Tensor& b,
+                        double eps, const Tensor& fixed_mean, const Tensor& fixed,
+                        bool from_var, bool keep_stats) {
+  check_input(p, x);
+  Tensor y = at::empty_like(x);
+  Tensor wk = p.param(w, p.ones), bk = p.param(b, p.zeros);
+  Tensor mean, rstd, var;
+  if (fixed_mean.defined()) {
+    mean = p.stat(fixed_mean);
+    rstd = p.stat(fixed);
+  } else if (keep_stats) {
+    auto options = x.options().dtype(p.sdtype());
+    mean = at::empty(p.stat_shape, options);
+    rstd = at::empty(p.stat_shape, options);
+    var = at::empty(p.stat_shape, options);
+  }
+  int64_t a[kMaxArgs];
+  p.args(a, {address(x), address(y), address(wk), address(bk), address(mean), address(rstd),
+             fixed_mean.defined() ? address(mean) : address(var), from_var ? 1 : 0},
+         p.forward_consts);
+  p.forward_kernel(a, eps);
+  if (fixed_mean.defined() || !keep_stats) return {y};
+  return {y, mean, rstd, var};
+}
+
+Tensor optional(const c10::optional<Tensor>& t) { return t.has_value() ? *t : Tensor(); }
+
+tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const Tensor& w,
+                        const Tensor& mean, const Tensor& rstd, double eps, bool fixed,
+                        std::array<bool, 3> needs);
+
+struct NormNode : public torch::autograd::Function<NormNode> {
+  // fixed_mean / fixed_rstd undefined: batch statistics, returned as three more outputs
+  // (undefined tensors as empty optionals: the Function takes no undefined tensor input)
+  static tensor_list forward(AutogradContext* ctx, Tensor x, c10::optional<Tensor> weight,
+                             c10::optional<Tensor> bias, double eps,
+                             c10::optional<Tensor> given_mean, c10::optional<Tensor> given_rstd,
+                             c10::intrusive_ptr<Plan> plan) {
+    Tensor w = optional(weight), b = optional(bias);
+    Tensor fixed_mean = optional(given_mean), fixed_rstd = optional(given_rstd);
+    bool fixed = fixed_mean.defined();
+    auto out = run_forward(*plan, x, w, b, eps, fixed_mean, fixed_rstd, false, true);
+    Tensor mean = fixed ? plan->stat(fixed_mean) : out[1];
+    Tensor rstd = fixed ? plan->stat(fixed_rstd) : out[2];
+    ctx->save_for_backward({x, w, mean, rstd});
+    ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["fixed"] = fixed;
+    if (b.defined()) {                 // its gradient's shape and dtype
+      ctx->saved_data["bias_shape"] = b.sizes().vec();
+      ctx->saved_data["bias_dtype"] = b.scalar_type();
+    }
+    if (!fixed) ctx->mark_non_differentiable({out[1], out[2], out[3]});
+    return out;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &w = saved[1], &mean = saved[2], &rstd = saved[3];
+    auto plan = c10::static_intrusive_pointer_cast<Plan>(ctx->saved_data["plan"].toCapsule());
+    const Plan& p = *plan;
+    // (the Function's edges are its tensor inputs that are given: x, w, b, in that order)
+    bool has_bias = ctx->saved_data.count("bias_shape") > 0;
+    std::array<bool, 3> needs = {ctx->needs_input_grad(0),
+                                 w.defined() && ctx->needs_input_grad(1),
+                                 has_bias && ctx->needs_input_grad(w.defined() ? 2 : 1)};
+    tensor_list result(7);
+    if (!(needs[0] || needs[1] || needs[2])) return result;
+    Tensor g = grads[0];
+    Tensor dx, dw, db;
+    if (at::GradMode::is_enabled()) {
+      // double backward: the operator, whose autograd differentiates the formula
+      auto out = backward_op(p, g, x, w, mean, rstd, ctx->saved_data["eps"].toDouble(),
+                             ctx->saved_data["fixed"].toBool(), needs);
+      dx = out[0], dw = out[1], db = out[2];
+    } else {
+      g = g.contiguous();
+      dx = at::empty_like(x);
+      auto options = x.options().dtype(p.sdtype());
+      int64_t params = p.ones.numel();
+      dw = p.zero_grads ? at::zeros({params}, options) : at::empty({params}, options);
+      db = p.zero_grads ? at::zeros({params}, options) : at::empty({params}, options);
+      Tensor wk = p.param(w, p.ones), ms = p.stat(mean), rs = p.stat(rstd);
+      int64_t a[kMaxArgs];
+      p.args(a, {address(g), address(x), address(dx), address(wk), address(ms), address(rs),
+                 address(dw), address(db)},
+             p.backward_consts);
+      p.backward_kernel(a, 0.0);
+    }
+    if (needs[0]) result[0] = dx.sizes() == x.sizes() ? dx : dx.reshape(x.sizes());
+    if (needs[1]) result[1] = dw.reshape(w.sizes()).to(w.scalar_type());
+    if (needs[2])
+      result[2] = db.reshape(ctx->saved_data["bias_shape"].toIntVector())
+                      .to(ctx->saved_data["bias_dtype"].toScalarType());
+    return result;
+  }
+};
+
+tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const Tensor& w,
+                        const Tensor& mean, const Tensor& rstd, double eps, bool fixed,
+                        std::array<bool, 3> needs) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("normkit::norm_backward", "");
+  torch::jit::Stack stack;
+  stack.reserve(13);
+  stack.emplace_back(g.reshape(p.view));
+  stack.emplace_back(x.reshape(p.view));
+  stack.emplace_back(mean.reshape(p.stat_shape));
+  stack.emplace_back(rstd.reshape(p.stat_shape));
+  stack.emplace_back(w.defined() ? c10::IValue(w) : c10::IValue());
+  stack.emplace_back(p.kind);
+  stack.emplace_back(c10::List<int64_t>(p.view));
+  stack.emplace_back(c10::List<int64_t>(p.reduce));
+  stack.emplace_back(p.param_view ? c10::IValue(c10::List<int64_t>(*p.param_view))
+                                  : c10::IValue());
+  stack.emplace_back(eps);
+  stack.emplace_back(p.center);
+  stack.emplace_back(fixed);
+  stack.emplace_back(c10::List<bool>({needs[0], needs[1], needs[2]}));
+  op.callBoxed(&stack);
+  return {stack[0].toTensor(), stack[1].toTensor(), stack[2].toTensor()};
+}
+
+// no gradient to record: y, or (y, mean, rstd, var); fixed statistics as (mean, rstd), or
+// (mean, var) with from_var
+tensor_list forward(const Plan& plan, const Tensor& x,
+                    const c10::optional<Tensor>& w, const c10::optional<Tensor>& b, double eps,
+                    const c10::optional<Tensor>& fixed_mean, const c10::optional<Tensor>& fixed,
+                    bool from_var, bool keep_stats) {
+  return run_forward(plan, x, optional(w), optional(b), eps, optional(fixed_mean),
+                     optional(fixed), from_var, keep_stats);
+}
+
+// recorded for autograd: (y, mean, rstd, var), or y alone with fixed statistics (mean,
+// rstd; or mean, var with rstd = None)
+tensor_list apply(Plan& plan, const Tensor& x,
+                  const c10::optional<Tensor>& w, const c10::optional<Tensor>& b, double eps,
+                  const c10::optional<Tensor>& fixed_mean, const c10::optional<Tensor>& rstd,
+                  const c10::optional<Tensor>& var) {
+  Tensor r = optional(rstd);
+  if (fixed_mean.has_value() && !r.defined()) {
+    at::NoGradGuard no_grad;
+    r = at::rsqrt(plan.stat(*var) + eps);
+  }
+  return NormNode::apply(x, w, b, eps, fixed_mean, c10::optional<Tensor>(r),
+                         c10::intrusive_ptr<Plan>::reclaim_copy(&plan));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Plan, c10::intrusive_ptr<Plan>>(m, "Plan")
+      .def(py::init([](int64_t forward_kernel, int64_t backward_kernel,
+                       std::vector<int64_t> forward_consts, std::vector<int64_t> backward_consts,
+                       std::vector<int64_t> stat_shape, Tensor ones, Tensor zeros,
+                       bool zero_grads, std::string kind, std::vector<int64_t> view,
+                       std::vector<int64_t> reduce,
+                       c10::optional<std::vector<int64_t>> param_view, bool center) {
+             TORCH_CHECK(kAddresses + forward_consts.size() <= kMaxArgs &&
+                             kAddresses + backward_consts.size() <= kMaxArgs,
+                         "normkit native plan: too many kernel constants");
+             auto p = c10::make_intrusive<Plan>();
+             p->forward_kernel = reinterpret_cast<kernel_fn>(forward_kernel);
+             p->backward_kernel = reinterpret_cast<kernel_fn>(backward_kernel);
+             p->forward_consts = std::move(forward_consts);
+             p->backward_consts = std::move(backward_consts);
+             p->stat_shape = std::move(stat_shape);
+             p->ones = ones, p->zeros = zeros, p->zero_grads = zero_grads;
+             p->kind = std::move(kind), p->view = std::move(view), p->reduce = std::move(reduce);
+             p->param_view = std::move(param_view), p->center = center;
+             return p;
+           }))
+      .def("forward", &forward)
+      .def("apply", &apply);
+}

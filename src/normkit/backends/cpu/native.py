@@ -1,0 +1,246 @@
+"""The small-call path: a plan's kernels behind a C++ autograd node (``native.cpp``).
+
+On a small tensor a normalization's cost is the Python around its kernel, most of it the
+Python ``autograd.Function`` and the plan's calls inside it (``docs/performance.md``, "A
+C++ autograd node, measured"). So for a plan that runs on the calling thread, this module
+compiles the plan's two kernels as C callbacks (``numba.cfunc``, each a thin wrapper
+around the entry in ``entries`` that the Python plan calls: the same compiled loop, the
+same results to the bit) and hands their addresses, with the plan's constant arguments,
+to a ``Plan`` of the C++ extension. Its ``apply`` runs a ``torch::autograd::Function``:
+allocation with ATen, the forward kernel, the saved tensors and, on backward, the
+backward kernel, with no Python in between; its ``forward`` does the same without a
+graph (no gradient to record, eval BatchNorm).
+
+Where it runs (``node`` gives None otherwise, and the Python plan runs): a contiguous
+input whose plan is serial (fewer than ``tuning.SERIAL_BELOW`` elements, or one
+thread) and neither streams nor asks for huge pages, in the ``rows`` and ``planes``
+families (LayerNorm/RMSNorm; Batch/Instance/GroupNorm on NCHW). A double backward
+(``create_graph=True``) goes from the C++ node to ``torch.ops.normkit.norm_backward``,
+whose autograd differentiates the formula, as on the Python path.
+
+The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is
+needed on a machine (a C++ compiler and ninja, about 35 s; cached in torch's extension
+folder, ``TORCH_EXTENSIONS_DIR``, and loaded in milliseconds after);
+``python -m normkit.backends.cpu.native`` compiles it ahead of time. Without a compiler
+the build fails once, with a warning, and every call takes the Python path.
+``NORMKIT_NATIVE=0`` in the environment switches the path off.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+from numba import cfunc, types
+
+from normkit.backends.cpu import entries
+
+__all__ = ["extension", "node", "enabled", "switch"]
+
+SIGNATURE = types.void(types.CPointer(types.int64), types.float64)
+
+# The kernels' argument arrays (native.cpp): forward a = (x, y, w, b, mean, rstd, var,
+# from_var, constants...), backward a = (g, x, dx, w, mean, rstd, dw, db, constants...).
+# proto and sproto, empty arrays of the storage and statistics dtypes, are compile-time
+# constants of each callback (closure variables; numba's cache keys on them).
+
+
+def _rows(proto, sproto):
+    """constants (M, K, center, ahead), both ways."""
+    @cfunc(SIGNATURE, cache=True)
+    def forward(a, eps):
+        m, k = a[8], a[9]
+        entries.rows_forward((a[0], a[1], a[2], a[3], a[4], a[5], a[6]), m, k, proto, sproto,
+                             eps, a[10] != 0, (False, a[11]), 0, m)
+
+    @cfunc(SIGNATURE, cache=True)
+    def backward(a, eps):
+        entries.rows_backward((a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]), a[8], a[9], 1,
+                              proto, sproto, a[10] != 0, (False, a[11]), 0, 1)
+
+    return forward, backward
+
+
+def _channels_small(proto, sproto):
+    """constants (N, C, S, fixed) forward, (N, C, S, center, fixed) backward."""
+    @cfunc(SIGNATURE, cache=True)
+    def forward(a, eps):
+        entries.channels_small((a[0], a[1], a[2], a[3], a[4], a[5], a[6]), (a[8], a[9], a[10]),
+                               proto, sproto, eps, a[11] != 0, a[7] != 0, 0, a[9])
+
+    @cfunc(SIGNATURE, cache=True)
+    def backward(a, eps):
+        entries.channels_small_backward((a[0], a[1], a[2], a[3], a[4], a[5], 0, a[7], a[6]),
+                                        (a[8], a[9], a[10]), proto, sproto, a[11] != 0,
+                                        a[12] != 0, 0, a[9])
+
+    return forward, backward
+
+
+def _planes_small(proto, sproto):
+    """constants (N, C, S, groups, fixed) forward, (N, C, S, groups, center, fixed)
+    backward."""
+    @cfunc(SIGNATURE, cache=True)
+    def forward(a, eps):
+        entries.planes_small((a[0], a[1], a[2], a[3], a[4], a[5], a[6]), (a[8], a[9], a[10]),
+                             a[11], proto, sproto, eps, a[12] != 0, a[7] != 0, 0, a[8] * a[11])
+
+    @cfunc(SIGNATURE, cache=True)
+    def backward(a, eps):
+        entries.planes_small_backward((a[0], a[1], a[2], a[3], a[4], a[5], 0, a[7], a[6]),
+                                      (a[8], a[9], a[10]), a[11], proto, sproto, a[12] != 0,
+                                      a[13] != 0, 0, a[8] * a[11])
+
+    return forward, backward
+
+
+def _channels(proto, sproto):
+    """constants (N, C, S, fixed, block) forward, (N, C, S, block, center, fixed)
+    backward."""
+    @cfunc(SIGNATURE, cache=True)
+    def forward(a, eps):
+        entries.channels_forward((a[0], a[1], a[2], a[3], a[4], a[5], a[6]),
+                                 (a[8], a[9], a[10]), proto, sproto, eps, a[11] != 0,
+                                 a[7] != 0, a[12], False, 0, a[9])
+
+    @cfunc(SIGNATURE, cache=True)
+    def backward(a, eps):
+        entries.channels_backward((a[0], a[1], a[2], a[3], a[4], a[5], 0, a[7], a[6]),
+                                  (a[8], a[9], a[10]), proto, sproto, a[11], a[12] != 0,
+                                  a[13] != 0, False, 0, a[9])
+
+    return forward, backward
+
+
+def _planes(proto, sproto):
+    """constants (N, C, S, groups, fixed, ahead) forward, (N, C, S, groups, center, fixed,
+    ahead) backward."""
+    @cfunc(SIGNATURE, cache=True)
+    def forward(a, eps):
+        entries.planes_forward((a[0], a[1], a[2], a[3], a[4], a[5], a[6]), (a[8], a[9], a[10]),
+                               a[11], proto, sproto, eps, a[12] != 0, a[7] != 0,
+                               (False, a[13]), 0, a[8] * a[11])
+
+    @cfunc(SIGNATURE, cache=True)
+    def backward(a, eps):
+        entries.planes_backward((a[0], a[1], a[2], a[3], a[4], a[5], 0, a[7], a[6]),
+                                (a[8], a[9], a[10]), a[11], proto, sproto, a[12] != 0,
+                                a[13] != 0, (False, a[14]), 0, a[8] * a[11])
+
+    return forward, backward
+
+
+_KERNELS = {}
+
+
+def _kernels(family, proto, sproto):
+    """The (forward, backward) callbacks of a family for a storage and statistics dtype,
+    compiled once (or loaded from numba's cache)."""
+    key = (family.__name__, proto.dtype, sproto.dtype)
+    found = _KERNELS.get(key)
+    if found is None:
+        found = _KERNELS[key] = family(proto, sproto)
+    return found
+
+
+def _family(plan):
+    """(callback family, forward constants, backward constants, zero the gradients) of a
+    Python plan (``plans``), or None where the family has no callbacks."""
+    from normkit.backends.cpu.plans import PlanesPlan, RowsPlan
+
+    if isinstance(plan, RowsPlan):
+        consts = [plan.m, plan.k, int(plan.center), plan.ahead]
+        return _rows, consts, consts, True
+    if not isinstance(plan, PlanesPlan):
+        return None
+    ncs, center, fixed = list(plan.ncs), int(plan.center), int(plan.fixed)
+    if plan.by_channel and plan.small:
+        return _channels_small, ncs + [fixed], ncs + [center, fixed], False
+    if plan.small:
+        return (_planes_small, ncs + [plan.groups, fixed], ncs + [plan.groups, center, fixed],
+                False)
+    if plan.by_channel:
+        return (_channels, ncs + [fixed, plan.block], ncs + [plan.block_bwd, center, fixed],
+                False)
+    return (_planes, ncs + [plan.groups, fixed, plan.ahead],
+            ncs + [plan.groups, center, fixed, plan.ahead], False)
+
+
+def node(plan):
+    """The C++ ``Plan`` that runs this Python plan's calls, or None (see the module's
+    docstring for where; the extension unavailable or switched off)."""
+    if plan.threads != 1 or plan.may_stream or plan.large:
+        return None
+    found = _family(plan)
+    if found is None:
+        return None
+    ext = extension()
+    if ext is None:
+        return None
+    family, forward_consts, backward_consts, zero_grads = found
+    forward, backward = _kernels(family, plan.proto, plan.sproto)
+    g = plan.grouping
+    return ext.Plan(forward.address, backward.address, forward_consts, backward_consts,
+                    list(plan.stat_shape), plan.ones, plan.zeros, zero_grads, g.kind,
+                    list(g.view), list(g.reduce),
+                    None if g.param_view is None else list(g.param_view), plan.center)
+
+
+def enabled() -> bool:
+    """Whether the environment leaves the path on (``NORMKIT_NATIVE`` unset, or not 0)."""
+    return os.environ.get("NORMKIT_NATIVE", "1").strip().lower() not in ("0", "false", "no",
+                                                                           "off")
+
+
+_extension = None          # the loaded module; False: unavailable or switched off
+
+
+def extension():
+    """The compiled C++ extension (built on first use), or None."""
+    global _extension
+    if _extension is None:
+        _extension = _load() if enabled() else False
+    return _extension or None
+
+
+def switch(on: bool) -> None:
+    """Turn the path on (the extension loaded at the next plan, unless ``NORMKIT_NATIVE=0``)
+    or off for this process, and forget every plan so that the next calls choose again
+    (tests run both paths this way)."""
+    global _extension
+    import normkit.backends as dispatch
+
+    _extension = None if on else False
+    dispatch.clear_plans()
+
+
+def _load():
+    source = Path(__file__).with_name("native.cpp")
+    try:
+        from torch.utils import cpp_extension
+
+        try:    # the ninja of the `ninja` package (the `fast` extra), if PATH has none
+            import ninja
+            path = os.environ.get("PATH", "")
+            if ninja.BIN_DIR not in path.split(os.pathsep):
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+        except ImportError:
+            pass
+        return cpp_extension.load(name="normkit_native", sources=[str(source)],
+                                  extra_cflags=["-O2"])
+    except Exception as error:   # no compiler, no ninja, no headers: the Python path
+        warnings.warn(
+            f"normkit could not build its C++ node ({type(error).__name__}: "
+            f"{str(error)[:300]}); small normalizations take the slower Python path. It "
+            f"needs a C++ compiler and ninja (`pip install ninja`); set NORMKIT_NATIVE=0 to "
+            f"skip the attempt", RuntimeWarning, stacklevel=2)
+        return False
+
+
+if __name__ == "__main__":          # compile ahead of time (make setup)
+    import time
+
+    start = time.time()
+    print("normkit native extension:", "ready" if extension() is not None else "unavailable",
+          f"({time.time() - start:.0f} s)")

@@ -1,0 +1,214 @@
+"""The C++ node (``normkit.backends.cpu.native``): small calls run normkit's kernels from a
+C++ autograd Function. Each case runs on both paths, the C++ node and the Python plans,
+against the float64 reference and against torch; the two paths run the same compiled
+kernels, so their results agree to the bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+import _cpu_cases as cases  # noqa: E402
+import normkit.functional as NF  # noqa: E402
+import normkit.nn as nknn  # noqa: E402
+from normkit import backends  # noqa: E402
+from normkit import grouping as G  # noqa: E402
+from normkit.backends.cpu import native, tuning  # noqa: E402
+
+if not native.enabled():
+    pytest.skip("NORMKIT_NATIVE=0: the C++ node is switched off", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _native_on():
+    native.switch(True)
+    yield
+    native.switch(True)
+
+
+def test_the_extension_builds_and_loads():
+    # a machine with the setup's compiler and ninja must have it: no silent fallback here
+    assert native.extension() is not None
+
+
+def _node_name(y):
+    return y.grad_fn.name() if y.grad_fn is not None else ""
+
+
+def _both_paths(fn, x, w, b, dy):
+    """(y, dx, dw, db) on the C++ node, then on the Python plans; asserts which ran."""
+    results = []
+    for on in (True, False):
+        native.switch(on)
+        xr = x.detach().requires_grad_(True)
+        wr = w.detach().requires_grad_(True)
+        br = None if b is None else b.detach().requires_grad_(True)
+        y = fn(xr, wr, br)
+        assert ("NormNode" in _node_name(y)) == on, _node_name(y)
+        y.backward(dy)
+        results.append((y, xr.grad, wr.grad, None if br is None else br.grad))
+    native.switch(True)
+    return results
+
+
+SMALL = [("layer", (6, 40)), ("rms", (6, 40)), ("layer", (3, 5, 16)),
+         ("batch", (4, 6, 3, 5)), ("batch", (2, 6, 20, 20)), ("batch", (5, 7)),
+         ("group", (4, 6, 3, 5)), ("group", (2, 6, 20, 20)),
+         ("instance", (4, 6, 3, 5)), ("instance", (2, 6, 20, 20))]
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES, ids=str)
+@pytest.mark.parametrize("op,shape", SMALL, ids=str)
+def test_node_matches_the_python_plans_and_the_reference(op, shape, dtype):
+    c = shape[-1] if op in ("layer", "rms") else shape[1]
+    x, w, b, dy = cases.inputs(shape, dtype, c, offset=1.0)
+    if op == "rms":
+        b = None
+    fn, ref = cases.op(op, c)
+    if op == "batch" and len(shape) == 2:
+        # (N, C): one position per channel, the channels_last family, no node
+        native.switch(True)
+        y = fn(x.detach().requires_grad_(True), w, b)
+        assert "NormNode" not in _node_name(y)
+        return
+    node, python = _both_paths(fn, x, w, b, dy)
+    for p, q, name in zip(node, python, ("y", "dx", "dweight", "dbias")):
+        if p is not None:
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"{name}: the paths differ")
+            assert p.dtype == q.dtype and p.shape == q.shape and p.stride() == q.stride()
+    cases.check_against_reference(node, ref, x, w, b, dy, dtype)
+
+
+@pytest.mark.parametrize("op", ["layer", "batch", "group"])
+def test_both_sides_of_the_serial_threshold(op, monkeypatch):
+    # below SERIAL_BELOW the node runs (one thread), from it the Python plans (threads)
+    shape = (8, 48) if op == "layer" else (4, 6, 5, 7)
+    c = shape[-1] if op == "layer" else shape[1]
+    x, w, b, dy = cases.inputs(shape, torch.float32, c, offset=0.5)
+    fn, ref = cases.op(op, c)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    got = []
+    for below, node in ((x.numel() + 1, True), (x.numel(), False)):
+        monkeypatch.setattr(tuning, "SERIAL_BELOW", below)
+        backends.clear_plans()
+        xr, wr, br = (t.detach().requires_grad_(True) for t in (x, w, b))
+        y = fn(xr, wr, br)
+        assert ("NormNode" in _node_name(y)) == node
+        y.backward(dy)
+        got.append((y.detach(), xr.grad, wr.grad, br.grad))
+        cases.check_against_reference(got[-1], ref, x, w, b, dy, torch.float32)
+    # every output element is one work item's on both sides: the same bits; the parameter
+    # gradients are sums merged in another order
+    torch.testing.assert_close(got[0][0], got[1][0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+def test_missing_weight_or_bias(affine):
+    x = torch.randn(5, 24, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(24, dtype=torch.float64, requires_grad=True) if affine in ("both", "weight") \
+        else None
+    b = torch.randn(24, dtype=torch.float64, requires_grad=True) if affine in ("both", "bias") \
+        else None
+    y = NF.layer_norm(x, (24,), w, b)
+    assert "NormNode" in _node_name(y)
+    want = torch.nn.functional.layer_norm(x, (24,), w, b)
+    torch.testing.assert_close(y, want)
+    grads = torch.autograd.grad(y.square().sum(), [t for t in (x, w, b) if t is not None])
+    wants = torch.autograd.grad(want.square().sum(), [t for t in (x, w, b) if t is not None])
+    for p, q in zip(grads, wants):
+        torch.testing.assert_close(p, q)
+
+
+def test_parameters_of_another_dtype_get_gradients_in_theirs():
+    # bfloat16 weights with a bfloat16 input: statistics and kernels in float32
+    x = torch.randn(4, 6, 5, 5, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(6, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(6, dtype=torch.bfloat16, requires_grad=True)
+    y = NF.group_norm(x, 3, w, b)
+    assert "NormNode" in _node_name(y)
+    y.sum().backward()
+    assert w.grad.dtype == torch.bfloat16 and b.grad.shape == (6,)
+
+
+@pytest.mark.parametrize("name", ["layer", "batch", "batch-eval", "group"])
+def test_double_backward(name):
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(4, dtype=torch.float64, requires_grad=True)
+    rm, rv = torch.randn(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64) + 0.5
+    fns = {"layer": lambda x, w: NF.layer_norm(x.transpose(1, 2).contiguous(), (4,), w),
+           "batch": lambda x, w: NF.batch_norm(x, None, None, w, None, True),
+           "batch-eval": lambda x, w: NF.batch_norm(x, rm, rv, w, None, False),
+           "group": lambda x, w: NF.group_norm(x, 2, w)}
+    assert "NormNode" in _node_name(fns[name](x, w))
+    assert torch.autograd.gradgradcheck(fns[name], (x, w))
+
+
+def test_eval_batch_norm_without_grad_and_with():
+    torch.manual_seed(0)
+    ours, theirs = nknn.BatchNorm2d(6), torch.nn.BatchNorm2d(6)
+    with torch.no_grad():
+        for m in (ours, theirs):
+            m.running_mean.copy_(torch.arange(6.0) / 3)
+            m.running_var.copy_(torch.arange(6.0) + 0.5)
+            m.weight.copy_(torch.linspace(0.5, 2, 6))
+    ours.eval(), theirs.eval()
+    x = torch.randn(4, 6, 5, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x))
+    xr, xt = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y = ours(xr)
+    assert "NormNode" in _node_name(y)
+    y.square().sum().backward()
+    theirs(xt).square().sum().backward()
+    torch.testing.assert_close(xr.grad, xt.grad)
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad)
+
+
+def test_training_layer_matches_torch_running_statistics_included():
+    torch.manual_seed(0)
+    ours, theirs = nknn.BatchNorm2d(8), torch.nn.BatchNorm2d(8)
+    for _ in range(3):
+        x = torch.randn(4, 8, 6, 6) * 3 + 1
+        xr, xt = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ours(xr).sum().backward()
+        theirs(xt).sum().backward()
+        torch.testing.assert_close(xr.grad, xt.grad)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name))
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad)
+    torch.testing.assert_close(ours.bias.grad, theirs.bias.grad)
+
+
+def test_saved_input_modified_in_place_is_an_error():
+    x = torch.randn(4, 16)
+    xr = x.clone().requires_grad_(True)
+    h = xr * 1.0
+    y = NF.layer_norm(h, (16,))
+    assert "NormNode" in _node_name(y)
+    h.add_(1.0)                          # the node saved h: autograd must refuse
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_statistics_are_not_differentiable_and_y_is_its_own_tensor():
+    from normkit import ops
+
+    x = torch.randn(4, 16, requires_grad=True)
+    y, mean, rstd, var = ops.norm_forward(x, G.layer(x.shape, 1))
+    assert y.requires_grad and not (mean.requires_grad or rstd.requires_grad or var.requires_grad)
+    assert mean.shape == (4, 1) and mean.dtype == torch.float32
+    y.add_(1.0)                          # in place on the output: allowed
+    y.sum().backward()
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("NORMKIT_NATIVE", "0")
+    native.switch(True)
+    assert not native.enabled() and native.extension() is None
+    y = NF.layer_norm(torch.randn(3, 8, requires_grad=True), (8,))
+    assert "NormNode" not in _node_name(y)
+    monkeypatch.delenv("NORMKIT_NATIVE")
+    native.switch(True)
+    assert native.extension() is not None
