@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
 	# compile the C++ node of the small calls now rather than at the first call (~35 s)
-	$(BIN)/python -m normkit.backends.cpu.native
+	$(BIN)/python -m normkit.backends.cpu
 	touch $(STAMP)
 
 test: $(STAMP)

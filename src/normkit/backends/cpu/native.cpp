@@ -66,7 +66,9 @@ struct Plan : torch::CustomClassHolder {
   }
 };
 
-int64_t address(const Tensor& t) { return t.defined() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0; }
+int64_t address(const Tensor& t) {
+  return t.defined() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0;
+}
 
 void check_input(const Plan& p, const Tensor& x) {
   TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(),

@@ -21,9 +21,9 @@ whose autograd differentiates the formula, as on the Python path.
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is
 needed on a machine (a C++ compiler and ninja, about 35 s; cached in torch's extension
 folder, ``TORCH_EXTENSIONS_DIR``, and loaded in milliseconds after);
-``python -m normkit.backends.cpu.native`` compiles it ahead of time. Without a compiler
-the build fails once, with a warning, and every call takes the Python path.
-``NORMKIT_NATIVE=0`` in the environment switches the path off.
+``python -m normkit.backends.cpu`` compiles it ahead of time (``make setup`` does).
+Without a compiler the build fails once, with a warning, and every call takes the Python
+path. ``NORMKIT_NATIVE=0`` in the environment switches the path off.
 """
 
 from __future__ import annotations
@@ -236,11 +236,3 @@ def _load():
             f"needs a C++ compiler and ninja (`pip install ninja`); set NORMKIT_NATIVE=0 to "
             f"skip the attempt", RuntimeWarning, stacklevel=2)
         return False
-
-
-if __name__ == "__main__":          # compile ahead of time (make setup)
-    import time
-
-    start = time.time()
-    print("normkit native extension:", "ready" if extension() is not None else "unavailable",
-          f"({time.time() - start:.0f} s)")
