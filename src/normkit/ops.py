@@ -336,14 +336,14 @@ def _native(node, grad, x, weight, bias, eps, mean, rstd, var, keep_stats):
     """``norm_forward`` by a plan's C++ node (``normkit.backends.cpu.native``): recorded
     for autograd when ``grad``, else one kernel call."""
     if grad:
-        out = node.apply(x, weight, bias, eps, mean, rstd, var)
+        out = node.apply(x, weight, bias, eps, mean, rstd, var, keep_stats)
     else:
         from_var = mean is not None and rstd is None
         out = node.forward(x, weight, bias, eps, mean, var if from_var else rstd, from_var,
                            keep_stats)
     if len(out) == 4:
         return tuple(out)
-    return out[0], mean, rstd, None
+    return out[0], mean, rstd, None          # fixed statistics, or none kept
 
 
 def norm_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs):

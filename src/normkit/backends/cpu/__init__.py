@@ -104,6 +104,10 @@ _PROTO = {st: np.empty(0, st) for st in _BUFFER.values()}
 def update_running(running_mean, running_var, mean, var, momentum, unbias) -> bool:
     """The running statistics update of ``normkit.backends.update_running`` for CPU
     float32/float64 buffers (with statistics of their dtype); False: not handled here."""
+    ext = native.extension()     # the same loop in C++, without a numba call's typing
+    if ext is not None and ext.update_running(running_mean, running_var, mean, var, momentum,
+                                              unbias):
+        return True
     st = _BUFFER.get(running_mean.dtype)
     if (st is None or running_var.dtype != running_mean.dtype or mean.dtype != running_mean.dtype
             or var.dtype != running_mean.dtype or running_mean.device.type != "cpu"

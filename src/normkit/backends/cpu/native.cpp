@@ -109,49 +109,66 @@ tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const T
                         const Tensor& mean, const Tensor& rstd, double eps, bool fixed,
                         std::array<bool, 3> needs);
 
+// what a node keeps besides its saved tensors: one capsule under one key (each key of
+// the context's map costs a string and a hash per call)
+struct Kept : torch::CustomClassHolder {
+  c10::intrusive_ptr<Plan> plan;
+  double eps = 0.0;
+  bool fixed = false, has_bias = false;
+  std::vector<int64_t> bias_shape;
+  at::ScalarType bias_dtype = at::kFloat;
+};
+
+// a gradient in its parameter's shape and dtype (no new tensor where it already is)
+Tensor as_param(const Tensor& grad, at::IntArrayRef shape, at::ScalarType dtype) {
+  Tensor out = grad.sizes() == shape ? grad : grad.reshape(shape);
+  return out.scalar_type() == dtype ? out : out.to(dtype);
+}
+
 struct NormNode : public torch::autograd::Function<NormNode> {
   // fixed_mean / fixed_rstd undefined: batch statistics, returned as three more outputs
   // (undefined tensors as empty optionals: the Function takes no undefined tensor input)
   static tensor_list forward(AutogradContext* ctx, Tensor x, c10::optional<Tensor> weight,
                              c10::optional<Tensor> bias, double eps,
                              c10::optional<Tensor> given_mean, c10::optional<Tensor> given_rstd,
-                             c10::intrusive_ptr<Plan> plan) {
+                             c10::intrusive_ptr<Plan> plan, bool keep_stats) {
     Tensor w = optional(weight), b = optional(bias);
     Tensor fixed_mean = optional(given_mean), fixed_rstd = optional(given_rstd);
     bool fixed = fixed_mean.defined();
+    // (the statistics are computed either way: the backward needs them)
     auto out = run_forward(*plan, x, w, b, eps, fixed_mean, fixed_rstd, false, true);
     Tensor mean = fixed ? plan->stat(fixed_mean) : out[1];
     Tensor rstd = fixed ? plan->stat(fixed_rstd) : out[2];
     ctx->save_for_backward({x, w, mean, rstd});
-    ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
-    ctx->saved_data["eps"] = eps;
-    ctx->saved_data["fixed"] = fixed;
+    auto kept = c10::make_intrusive<Kept>();
+    kept->plan = std::move(plan), kept->eps = eps, kept->fixed = fixed;
     if (b.defined()) {                 // its gradient's shape and dtype
-      ctx->saved_data["bias_shape"] = b.sizes().vec();
-      ctx->saved_data["bias_dtype"] = b.scalar_type();
+      kept->has_bias = true;
+      kept->bias_shape = b.sizes().vec();
+      kept->bias_dtype = b.scalar_type();
     }
-    if (!fixed) ctx->mark_non_differentiable({out[1], out[2], out[3]});
+    ctx->saved_data["k"] = c10::IValue::make_capsule(std::move(kept));
+    if (fixed || !keep_stats) return {out[0]};
+    ctx->mark_non_differentiable({out[1], out[2], out[3]});
     return out;
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     auto saved = ctx->get_saved_variables();
     const Tensor &x = saved[0], &w = saved[1], &mean = saved[2], &rstd = saved[3];
-    auto plan = c10::static_intrusive_pointer_cast<Plan>(ctx->saved_data["plan"].toCapsule());
-    const Plan& p = *plan;
+    auto kept = c10::static_intrusive_pointer_cast<Kept>(ctx->saved_data["k"].toCapsule());
+    const Plan& p = *kept->plan;
     // (the Function's edges are its tensor inputs that are given: x, w, b, in that order)
-    bool has_bias = ctx->saved_data.count("bias_shape") > 0;
     std::array<bool, 3> needs = {ctx->needs_input_grad(0),
                                  w.defined() && ctx->needs_input_grad(1),
-                                 has_bias && ctx->needs_input_grad(w.defined() ? 2 : 1)};
-    tensor_list result(7);
+                                 kept->has_bias && ctx->needs_input_grad(w.defined() ? 2 : 1)};
+    tensor_list result(8);
     if (!(needs[0] || needs[1] || needs[2])) return result;
     Tensor g = grads[0];
     Tensor dx, dw, db;
     if (at::GradMode::is_enabled()) {
       // double backward: the operator, whose autograd differentiates the formula
-      auto out = backward_op(p, g, x, w, mean, rstd, ctx->saved_data["eps"].toDouble(),
-                             ctx->saved_data["fixed"].toBool(), needs);
+      auto out = backward_op(p, g, x, w, mean, rstd, kept->eps, kept->fixed, needs);
       dx = out[0], dw = out[1], db = out[2];
     } else {
       g = g.contiguous();
@@ -168,10 +185,8 @@ struct NormNode : public torch::autograd::Function<NormNode> {
       p.backward_kernel(a, 0.0);
     }
     if (needs[0]) result[0] = dx.sizes() == x.sizes() ? dx : dx.reshape(x.sizes());
-    if (needs[1]) result[1] = dw.reshape(w.sizes()).to(w.scalar_type());
-    if (needs[2])
-      result[2] = db.reshape(ctx->saved_data["bias_shape"].toIntVector())
-                      .to(ctx->saved_data["bias_dtype"].toScalarType());
+    if (needs[1]) result[1] = as_param(dw, w.sizes(), w.scalar_type());
+    if (needs[2]) result[2] = as_param(db, kept->bias_shape, kept->bias_dtype);
     return result;
   }
 };
@@ -211,18 +226,59 @@ tensor_list forward(const Plan& plan, const Tensor& x,
 }
 
 // recorded for autograd: (y, mean, rstd, var), or y alone with fixed statistics (mean,
-// rstd; or mean, var with rstd = None)
+// rstd; or mean, var with rstd = None) or keep_stats false
 tensor_list apply(Plan& plan, const Tensor& x,
                   const c10::optional<Tensor>& w, const c10::optional<Tensor>& b, double eps,
                   const c10::optional<Tensor>& fixed_mean, const c10::optional<Tensor>& rstd,
-                  const c10::optional<Tensor>& var) {
+                  const c10::optional<Tensor>& var, bool keep_stats) {
   Tensor r = optional(rstd);
   if (fixed_mean.has_value() && !r.defined()) {
     at::NoGradGuard no_grad;
     r = at::rsqrt(plan.stat(*var) + eps);
   }
   return NormNode::apply(x, w, b, eps, fixed_mean, c10::optional<Tensor>(r),
-                         c10::intrusive_ptr<Plan>::reclaim_copy(&plan));
+                         c10::intrusive_ptr<Plan>::reclaim_copy(&plan), keep_stats);
+}
+
+// BatchNorm's running statistics in place, as normkit.backends.cpu.running does it (the
+// same operations in the same order, in the buffers' dtype):
+//   running_mean = running_mean * (1 - momentum) + momentum * mean
+//   running_var  = running_var * (1 - momentum) + momentum * (var * unbias)
+template <typename T>
+void update_running_loop(T* running_mean, T* running_var, const T* mean, const T* var,
+                         int64_t c, double momentum, double unbias) {
+  const T keep = static_cast<T>(1.0 - momentum), m = static_cast<T>(momentum);
+  const T u = static_cast<T>(unbias);
+  for (int64_t i = 0; i < c; ++i) {
+    T unbiased = var[i] * u;
+    running_mean[i] *= keep;
+    running_mean[i] += m * mean[i];
+    running_var[i] *= keep;
+    running_var[i] += m * unbiased;
+  }
+}
+
+// false: not handled here (another dtype, device or layout; the caller's path runs)
+bool update_running(Tensor& running_mean, Tensor& running_var, const Tensor& mean,
+                    const Tensor& var, double momentum, double unbias) {
+  auto dtype = running_mean.scalar_type();
+  int64_t c = running_mean.numel();
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&running_mean, &running_var,
+                                                                &mean, &var})
+    if (t->scalar_type() != dtype || !t->device().is_cpu() || !t->is_contiguous() ||
+        t->numel() != c)
+      return false;
+  if (dtype == at::kFloat)
+    update_running_loop(running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
+                        mean.data_ptr<float>(), var.data_ptr<float>(), c, momentum, unbias);
+  else if (dtype == at::kDouble)
+    update_running_loop(running_mean.data_ptr<double>(), running_var.data_ptr<double>(),
+                        mean.data_ptr<double>(), var.data_ptr<double>(), c, momentum, unbias);
+  else
+    return false;
+  running_mean.unsafeGetTensorImpl()->bump_version();
+  running_var.unsafeGetTensorImpl()->bump_version();
+  return true;
 }
 
 }  // namespace
@@ -251,4 +307,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }))
       .def("forward", &forward)
       .def("apply", &apply);
+  m.def("update_running", &update_running);
 }

@@ -232,7 +232,7 @@ def _load():
     except Exception as error:   # no compiler, no ninja, no headers: the Python path
         warnings.warn(
             f"normkit could not build its C++ node ({type(error).__name__}: "
-            f"{str(error)[:300]}); small normalizations take the slower Python path. It "
+            f"...{str(error)[-600:]}); small normalizations take the slower Python path. It "
             f"needs a C++ compiler and ninja (`pip install ninja`); set NORMKIT_NATIVE=0 to "
             f"skip the attempt", RuntimeWarning, stacklevel=2)
         return False
