@@ -78,11 +78,11 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     c = _check_channels(input, running_mean=running_mean, running_var=running_var,
                         weight=weight, bias=bias)
     grouping = G.batch(input.shape)
-    n = grouping.group_size
     if eps < 0 or (training and eps == 0):
         raise ValueError(f"batch_norm eps must be positive (non-negative in eval), got "
                          f"eps={eps}: it keeps a constant channel from dividing by zero; "
                          f"use the usual 1e-5")
+    n = grouping.group_size if training else 0
     if training and n == 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size "
@@ -91,10 +91,13 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
             f"(GroupNorm, LayerNorm)")
     if not training and running_mean is None:
         training = True  # no running statistics to use: normalize with the batch's, as torch
+        n = grouping.group_size
     if not training:
         sdtype = stat_dtype(input.dtype)
-        # (C,) as they are: the paths that broadcast them view them (torch_ops.fixed_stats)
-        mean, var = running_mean.to(sdtype), running_var.to(sdtype)
+        # (C,) as they are: the paths that broadcast them view them (torch_ops.fixed_stats);
+        # converted only where their dtype differs (a call to .to costs a microsecond)
+        mean = running_mean if running_mean.dtype == sdtype else running_mean.to(sdtype)
+        var = running_var if running_var.dtype == sdtype else running_var.to(sdtype)
         return apply_norm(input, grouping, weight, bias, eps, True, mean, stats=False,
                           fixed_var=var)[0]
     y, mean, var = apply_norm(input, grouping, weight, bias, eps)
