@@ -67,6 +67,10 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
     alone, ``mean`` and ``var`` may be None. Fixed statistics come as ``fixed_mean`` and
     ``fixed_rstd``, or ``fixed_var`` instead of the rstd. ``y`` is never a view of ``x``,
     so callers may modify it in place."""
+    if not torch.compiler.is_compiling():        # eager (the common case, checked first)
+        y, mean, _, var = ops.norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
+                                           fixed_rstd, stats, fixed_var)
+        return y, mean, var
     if ops.decomposing():
         if fixed_mean is not None:
             fixed_mean, fixed_rstd = torch_ops.fixed_stats(grouping, fixed_mean, fixed_rstd,

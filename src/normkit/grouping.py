@@ -79,13 +79,13 @@ def _spatial(shape) -> int:
 def batch(shape) -> Grouping:
     """BatchNorm: one statistic per channel, over the batch and all spatial positions."""
     n, c = shape[0], shape[1]
-    return Grouping("batch", (n, c, _spatial(shape)), (0, 2), (1, c, 1))
+    return Grouping("batch", (n, c, math.prod(shape[2:])), (0, 2), (1, c, 1))
 
 
 def instance(shape) -> Grouping:
     """InstanceNorm: one statistic per (sample, channel), over the spatial positions."""
     n, c = shape[0], shape[1]
-    return Grouping("instance", (n, c, _spatial(shape)), (2,), (1, c, 1))
+    return Grouping("instance", (n, c, math.prod(shape[2:])), (2,), (1, c, 1))
 
 
 def group(shape, num_groups: int) -> Grouping:
@@ -93,7 +93,8 @@ def group(shape, num_groups: int) -> Grouping:
     and all spatial positions."""
     n, c = shape[0], shape[1]
     cg = c // num_groups
-    return Grouping("group", (n, num_groups, cg, _spatial(shape)), (2, 3), (1, num_groups, cg, 1))
+    return Grouping("group", (n, num_groups, cg, math.prod(shape[2:])), (2, 3),
+                    (1, num_groups, cg, 1))
 
 
 def layer(shape, normalized_ndim: int) -> Grouping:

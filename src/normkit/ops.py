@@ -302,14 +302,27 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
     and runs what they would run: ``NormFunction`` when an input requires a gradient,
     the backend's plan otherwise. Traced, it is the operator call on the view."""
-    if plain_eager(x):
-        grad = _needs_grad(x, weight, bias)
+    # (plain_eager and _needs_grad written out: on a small tensor each Python call on the
+    # way to the kernel costs, and more inside a model than alone; docs/performance.md)
+    if (not torch.compiler.is_compiling() and type(x) is torch.Tensor
+            and not torch._C._len_torch_dispatch_stack()):
+        grad = torch.is_grad_enabled() and (
+            x.requires_grad or (weight is not None and weight.requires_grad)
+            or (bias is not None and bias.requires_grad))
         contiguous = x.is_contiguous()
         if contiguous:
             plan = backends.plan(x, grouping, center, mean is not None)
-            if plan.native is not None:                     # the C++ node: small calls
-                return _native(plan.native, grad, x, weight, bias, eps, mean, rstd, var,
-                               keep_stats)
+            node = plan.native
+            if node is not None:                            # the C++ node: small calls
+                if grad:
+                    out = node.apply(x, weight, bias, eps, mean, rstd, var, keep_stats)
+                else:
+                    from_var = mean is not None and rstd is None
+                    out = node.forward(x, weight, bias, eps, mean,
+                                       var if from_var else rstd, from_var, keep_stats)
+                if len(out) == 4:
+                    return tuple(out)
+                return out[0], mean, rstd, None  # fixed statistics, or none kept
         if grad:
             if mean is not None:
                 mean, rstd = torch_ops.fixed_stats(grouping, mean, rstd, var, eps)
@@ -330,20 +343,6 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     y, *stats = _forward_op(x.reshape(grouping.view), weight, bias, *grouping_args(grouping),
                             eps, center, mean, rstd)
     return (y.reshape(x.shape), *stats)
-
-
-def _native(node, grad, x, weight, bias, eps, mean, rstd, var, keep_stats):
-    """``norm_forward`` by a plan's C++ node (``normkit.backends.cpu.native``): recorded
-    for autograd when ``grad``, else one kernel call."""
-    if grad:
-        out = node.apply(x, weight, bias, eps, mean, rstd, var, keep_stats)
-    else:
-        from_var = mean is not None and rstd is None
-        out = node.forward(x, weight, bias, eps, mean, var if from_var else rstd, from_var,
-                           keep_stats)
-    if len(out) == 4:
-        return tuple(out)
-    return out[0], mean, rstd, None          # fixed statistics, or none kept
 
 
 def norm_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs):
