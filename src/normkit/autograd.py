@@ -60,16 +60,18 @@ def view_as(t, shape):
 
 
 def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
-               fixed_mean=None, fixed_rstd=None, stats=True, fixed_var=None):
+               fixed_mean=None, fixed_rstd=None, stats=True, fixed_var=None, running=None):
     """Run ``torch.ops.normkit.norm_forward`` on ``x`` seen through ``grouping.view`` (the
     composite torch ops where ``normkit.ops.decomposing()``); returns ``(y, mean, var)``
     with ``y`` in ``x``'s shape (and memory layout); ``stats=False``: the caller uses ``y``
     alone, ``mean`` and ``var`` may be None. Fixed statistics come as ``fixed_mean`` and
-    ``fixed_rstd``, or ``fixed_var`` instead of the rstd. ``y`` is never a view of ``x``,
-    so callers may modify it in place."""
+    ``fixed_rstd``, or ``fixed_var`` instead of the rstd. ``running``: the running
+    buffers to update on the way where the path can (``normkit.ops.norm_forward``; then
+    ``mean`` and ``var`` come back None and the caller has nothing left to update). ``y``
+    is never a view of ``x``, so callers may modify it in place."""
     if not torch.compiler.is_compiling():        # eager (the common case, checked first)
         y, mean, _, var = ops.norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
-                                           fixed_rstd, stats, fixed_var)
+                                           fixed_rstd, stats, fixed_var, running)
         return y, mean, var
     if ops.decomposing():
         if fixed_mean is not None:

@@ -104,9 +104,11 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         var = running_var if running_var.dtype == sdtype else running_var.to(sdtype)
         return apply_norm(input, grouping, weight, bias, eps, True, mean, stats=False,
                           fixed_var=var)[0]
-    y, mean, var = apply_norm(input, grouping, weight, bias, eps)
-    if running_mean is not None and n > 0:
-        update_running(running_mean, running_var, mean, var, momentum, n / (n - 1))
+    running = (None if running_mean is None or n <= 0 else
+               (running_mean, running_var, momentum, n / (n - 1)))
+    y, mean, var = apply_norm(input, grouping, weight, bias, eps, running=running)
+    if running is not None and mean is not None:     # not updated on the way (no C++ node)
+        update_running(*running[:2], mean, var, *running[2:])
     return y
 
 

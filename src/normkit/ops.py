@@ -289,7 +289,7 @@ def plain_eager(x) -> bool:
 
 
 def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mean=None,
-                 rstd=None, keep_stats=True, var=None):
+                 rstd=None, keep_stats=True, var=None, running=None):
     """``torch.ops.normkit.norm_forward`` over ``grouping`` for ``x`` in any shape with the
     view's number of elements. Returns ``(y, mean, rstd, var)`` with ``y`` in ``x``'s
     shape (with fixed statistics: the given ``mean`` and ``rstd`` and ``var = None`` in
@@ -297,7 +297,11 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     alone, the statistics may be None). Fixed statistics may be given as ``mean`` and
     ``var`` (``rstd=None``): eval BatchNorm's running statistics, as (C,) buffers or in
     the grouping's ``stat_shape``; without a gradient to record, the kernel computes
-    ``rstd = 1 / sqrt(var + eps)`` as it normalizes.
+    ``rstd = 1 / sqrt(var + eps)`` as it normalizes. ``running = (running_mean,
+    running_var, momentum, unbias)`` (training BatchNorm): the C++ node updates the
+    buffers from the batch statistics on the way (``normkit.backends.update_running``'s
+    formula) and then returns no statistics (``mean`` None); any other path leaves the
+    update to the caller and returns them.
 
     In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
     and runs what they would run: ``NormFunction`` when an input requires a gradient,
@@ -315,11 +319,16 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
             node = plan.native
             if node is not None:                            # the C++ node: small calls
                 if grad:
-                    out = node.apply(x, weight, bias, eps, mean, rstd, var, keep_stats)
+                    out = (node.apply(x, weight, bias, eps, mean, rstd, var, keep_stats)
+                           if running is None else
+                           node.apply(x, weight, bias, eps, None, None, None, True, *running))
                 else:
                     from_var = mean is not None and rstd is None
-                    out = node.forward(x, weight, bias, eps, mean,
-                                       var if from_var else rstd, from_var, keep_stats)
+                    out = (node.forward(x, weight, bias, eps, mean, var if from_var else rstd,
+                                        from_var, keep_stats)
+                           if running is None else
+                           node.forward(x, weight, bias, eps, None, None, False, True,
+                                        *running))
                 if len(out) == 4:
                     return tuple(out)
                 return out[0], mean, rstd, None  # fixed statistics, or none kept

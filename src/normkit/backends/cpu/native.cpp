@@ -76,11 +76,63 @@ void check_input(const Plan& p, const Tensor& x) {
               " strides ", x.strides(), "; the Python path takes any layout");
 }
 
+// BatchNorm's running statistics in place, as normkit.backends.cpu.running does it (the
+// same operations in the same order, in the buffers' dtype):
+//   running_mean = running_mean * (1 - momentum) + momentum * mean
+//   running_var  = running_var * (1 - momentum) + momentum * (var * unbias)
+template <typename T>
+void update_running_loop(T* running_mean, T* running_var, const T* mean, const T* var,
+                         int64_t c, double momentum, double unbias) {
+  const T keep = static_cast<T>(1.0 - momentum), m = static_cast<T>(momentum);
+  const T u = static_cast<T>(unbias);
+  for (int64_t i = 0; i < c; ++i) {
+    T unbiased = var[i] * u;
+    running_mean[i] *= keep;
+    running_mean[i] += m * mean[i];
+    running_var[i] *= keep;
+    running_var[i] += m * unbiased;
+  }
+}
+
+// false: not handled here (another dtype, device or layout; the caller's path runs)
+bool update_running(Tensor& running_mean, Tensor& running_var, const Tensor& mean,
+                    const Tensor& var, double momentum, double unbias) {
+  auto dtype = running_mean.scalar_type();
+  int64_t c = running_mean.numel();
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&running_mean, &running_var,
+                                                                &mean, &var})
+    if (t->scalar_type() != dtype || !t->device().is_cpu() || !t->is_contiguous() ||
+        t->numel() != c)
+      return false;
+  if (dtype == at::kFloat)
+    update_running_loop(running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
+                        mean.data_ptr<float>(), var.data_ptr<float>(), c, momentum, unbias);
+  else if (dtype == at::kDouble)
+    update_running_loop(running_mean.data_ptr<double>(), running_var.data_ptr<double>(),
+                        mean.data_ptr<double>(), var.data_ptr<double>(), c, momentum, unbias);
+  else
+    return false;
+  running_mean.unsafeGetTensorImpl()->bump_version();
+  running_var.unsafeGetTensorImpl()->bump_version();
+  return true;
+}
+
+// the running statistics a BatchNorm call in training updates after its kernel
+struct Running {
+  Tensor mean, var;           // undefined: none
+  double momentum = 0.0, unbias = 1.0;
+
+  // updated here: true; false: the caller updates them from the returned statistics
+  bool update(const Tensor& batch_mean, const Tensor& batch_var) {
+    return mean.defined() && update_running(mean, var, batch_mean, batch_var, momentum, unbias);
+  }
+};
+
 // y (and the statistics, unless fixed or not kept) of one forward call. Fixed statistics:
 // fixed_mean and fixed (the rstd, or the variance with from_var).
 tensor_list run_forward(const Plan& p, const Tensor& x, const Tensor& w, const Tensor& b,
                         double eps, const Tensor& fixed_mean, const Tensor& fixed,
-                        bool from_var, bool keep_stats) {
+                        bool from_var, bool keep_stats, Running running) {
   check_input(p, x);
   Tensor y = at::empty_like(x);
   Tensor wk = p.param(w, p.ones), bk = p.param(b, p.zeros);
@@ -99,7 +151,7 @@ tensor_list run_forward(const Plan& p, const Tensor& x, const Tensor& w, const T
              fixed_mean.defined() ? address(mean) : address(var), from_var ? 1 : 0},
          p.forward_consts);
   p.forward_kernel(a, eps);
-  if (fixed_mean.defined() || !keep_stats) return {y};
+  if (fixed_mean.defined() || !keep_stats || running.update(mean, var)) return {y};
   return {y, mean, rstd, var};
 }
 
@@ -131,12 +183,13 @@ struct NormNode : public torch::autograd::Function<NormNode> {
   static tensor_list forward(AutogradContext* ctx, Tensor x, c10::optional<Tensor> weight,
                              c10::optional<Tensor> bias, double eps,
                              c10::optional<Tensor> given_mean, c10::optional<Tensor> given_rstd,
-                             c10::intrusive_ptr<Plan> plan, bool keep_stats) {
+                             c10::intrusive_ptr<Plan> plan, bool keep_stats,
+                             Running running) {
     Tensor w = optional(weight), b = optional(bias);
     Tensor fixed_mean = optional(given_mean), fixed_rstd = optional(given_rstd);
     bool fixed = fixed_mean.defined();
     // (the statistics are computed either way: the backward needs them)
-    auto out = run_forward(*plan, x, w, b, eps, fixed_mean, fixed_rstd, false, true);
+    auto out = run_forward(*plan, x, w, b, eps, fixed_mean, fixed_rstd, false, true, Running());
     Tensor mean = fixed ? plan->stat(fixed_mean) : out[1];
     Tensor rstd = fixed ? plan->stat(fixed_rstd) : out[2];
     ctx->save_for_backward({x, w, mean, rstd});
@@ -148,7 +201,7 @@ struct NormNode : public torch::autograd::Function<NormNode> {
       kept->bias_dtype = b.scalar_type();
     }
     ctx->saved_data["k"] = c10::IValue::make_capsule(std::move(kept));
-    if (fixed || !keep_stats) return {out[0]};
+    if (fixed || !keep_stats || running.update(out[1], out[3])) return {out[0]};
     ctx->mark_non_differentiable({out[1], out[2], out[3]});
     return out;
   }
@@ -162,7 +215,7 @@ struct NormNode : public torch::autograd::Function<NormNode> {
     std::array<bool, 3> needs = {ctx->needs_input_grad(0),
                                  w.defined() && ctx->needs_input_grad(1),
                                  kept->has_bias && ctx->needs_input_grad(w.defined() ? 2 : 1)};
-    tensor_list result(8);
+    tensor_list result(9);
     if (!(needs[0] || needs[1] || needs[2])) return result;
     Tensor g = grads[0];
     Tensor dx, dw, db;
@@ -215,70 +268,43 @@ tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const T
   return {stack[0].toTensor(), stack[1].toTensor(), stack[2].toTensor()};
 }
 
+Running running_of(const c10::optional<Tensor>& mean, const c10::optional<Tensor>& var,
+                   double momentum, double unbias) {
+  Running r;
+  if (mean.has_value() && var.has_value()) r.mean = *mean, r.var = *var;
+  r.momentum = momentum, r.unbias = unbias;
+  return r;
+}
+
 // no gradient to record: y, or (y, mean, rstd, var); fixed statistics as (mean, rstd), or
-// (mean, var) with from_var
-tensor_list forward(const Plan& plan, const Tensor& x,
-                    const c10::optional<Tensor>& w, const c10::optional<Tensor>& b, double eps,
+// (mean, var) with from_var. Running buffers given (training BatchNorm): updated from the
+// batch statistics, which are then not returned (unless they could not be: another dtype)
+tensor_list forward(const Plan& plan, const Tensor& x, const c10::optional<Tensor>& w,
+                    const c10::optional<Tensor>& b, double eps,
                     const c10::optional<Tensor>& fixed_mean, const c10::optional<Tensor>& fixed,
-                    bool from_var, bool keep_stats) {
+                    bool from_var, bool keep_stats, const c10::optional<Tensor>& running_mean,
+                    const c10::optional<Tensor>& running_var, double momentum, double unbias) {
   return run_forward(plan, x, optional(w), optional(b), eps, optional(fixed_mean),
-                     optional(fixed), from_var, keep_stats);
+                     optional(fixed), from_var, keep_stats,
+                     running_of(running_mean, running_var, momentum, unbias));
 }
 
 // recorded for autograd: (y, mean, rstd, var), or y alone with fixed statistics (mean,
-// rstd; or mean, var with rstd = None) or keep_stats false
-tensor_list apply(Plan& plan, const Tensor& x,
-                  const c10::optional<Tensor>& w, const c10::optional<Tensor>& b, double eps,
+// rstd; or mean, var with rstd = None), keep_stats false, or running buffers updated
+tensor_list apply(Plan& plan, const Tensor& x, const c10::optional<Tensor>& w,
+                  const c10::optional<Tensor>& b, double eps,
                   const c10::optional<Tensor>& fixed_mean, const c10::optional<Tensor>& rstd,
-                  const c10::optional<Tensor>& var, bool keep_stats) {
+                  const c10::optional<Tensor>& var, bool keep_stats,
+                  const c10::optional<Tensor>& running_mean,
+                  const c10::optional<Tensor>& running_var, double momentum, double unbias) {
   Tensor r = optional(rstd);
   if (fixed_mean.has_value() && !r.defined()) {
     at::NoGradGuard no_grad;
     r = at::rsqrt(plan.stat(*var) + eps);
   }
   return NormNode::apply(x, w, b, eps, fixed_mean, c10::optional<Tensor>(r),
-                         c10::intrusive_ptr<Plan>::reclaim_copy(&plan), keep_stats);
-}
-
-// BatchNorm's running statistics in place, as normkit.backends.cpu.running does it (the
-// same operations in the same order, in the buffers' dtype):
-//   running_mean = running_mean * (1 - momentum) + momentum * mean
-//   running_var  = running_var * (1 - momentum) + momentum * (var * unbias)
-template <typename T>
-void update_running_loop(T* running_mean, T* running_var, const T* mean, const T* var,
-                         int64_t c, double momentum, double unbias) {
-  const T keep = static_cast<T>(1.0 - momentum), m = static_cast<T>(momentum);
-  const T u = static_cast<T>(unbias);
-  for (int64_t i = 0; i < c; ++i) {
-    T unbiased = var[i] * u;
-    running_mean[i] *= keep;
-    running_mean[i] += m * mean[i];
-    running_var[i] *= keep;
-    running_var[i] += m * unbiased;
-  }
-}
-
-// false: not handled here (another dtype, device or layout; the caller's path runs)
-bool update_running(Tensor& running_mean, Tensor& running_var, const Tensor& mean,
-                    const Tensor& var, double momentum, double unbias) {
-  auto dtype = running_mean.scalar_type();
-  int64_t c = running_mean.numel();
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&running_mean, &running_var,
-                                                                &mean, &var})
-    if (t->scalar_type() != dtype || !t->device().is_cpu() || !t->is_contiguous() ||
-        t->numel() != c)
-      return false;
-  if (dtype == at::kFloat)
-    update_running_loop(running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
-                        mean.data_ptr<float>(), var.data_ptr<float>(), c, momentum, unbias);
-  else if (dtype == at::kDouble)
-    update_running_loop(running_mean.data_ptr<double>(), running_var.data_ptr<double>(),
-                        mean.data_ptr<double>(), var.data_ptr<double>(), c, momentum, unbias);
-  else
-    return false;
-  running_mean.unsafeGetTensorImpl()->bump_version();
-  running_var.unsafeGetTensorImpl()->bump_version();
-  return true;
+                         c10::intrusive_ptr<Plan>::reclaim_copy(&plan), keep_stats,
+                         running_of(running_mean, running_var, momentum, unbias));
 }
 
 }  // namespace
@@ -305,7 +331,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              p->param_view = std::move(param_view), p->center = center;
              return p;
            }))
-      .def("forward", &forward)
-      .def("apply", &apply);
+      .def("forward", &forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("eps"),
+           py::arg("fixed_mean"), py::arg("fixed"), py::arg("from_var"), py::arg("keep_stats"),
+           py::arg("running_mean") = py::none(), py::arg("running_var") = py::none(),
+           py::arg("momentum") = 0.0, py::arg("unbias") = 1.0)
+      .def("apply", &apply, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("eps"),
+           py::arg("fixed_mean"), py::arg("rstd"), py::arg("var"), py::arg("keep_stats"),
+           py::arg("running_mean") = py::none(), py::arg("running_var") = py::none(),
+           py::arg("momentum") = 0.0, py::arg("unbias") = 1.0);
   m.def("update_running", &update_running);
 }
