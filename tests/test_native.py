@@ -212,3 +212,22 @@ def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.delenv("NORMKIT_NATIVE")
     native.switch(True)
     assert native.extension() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_running_statistics_updated_in_the_node_or_after_it(dtype):
+    # float32/float64 buffers: updated inside the C++ call; bfloat16 ones: the node hands
+    # the batch statistics back and the functional updates them
+    torch.manual_seed(0)
+    ours, theirs = nknn.BatchNorm2d(6).to(dtype), torch.nn.BatchNorm2d(6).to(dtype)
+    for momentum in (0.1, None):
+        ours.momentum = theirs.momentum = momentum
+        for grad in (True, False):
+            x = (torch.randn(3, 6, 4, 5) * 2 + 1).to(dtype)
+            with torch.set_grad_enabled(grad):
+                y = ours(x.clone().requires_grad_(grad))
+                theirs(x.clone().requires_grad_(grad))
+            assert ("NormNode" in _node_name(y)) == grad
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), **tol)

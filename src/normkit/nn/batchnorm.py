@@ -23,21 +23,25 @@ class _BatchNorm(NormBase):
         """The momentum of this step; with ``momentum=None`` the running statistics are the
         cumulative average of all batches (factor ``1 / num_batches_tracked``)."""
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked)
+        if self.training and self.track_running_stats:
+            tracked = self.num_batches_tracked       # (a buffer: each read costs ~1 us)
+            if tracked is not None:
+                tracked.add_(1)
+                if self.momentum is None:
+                    factor = 1.0 / float(tracked)
         return factor
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         factor = self._exponential_average_factor()
+        # buffers and parameters read once: each goes through Module.__getattr__
+        running_mean, running_var = self.running_mean, self.running_var
         # batch statistics in training, and in eval when there are no running statistics
-        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        use_batch_stats = self.training or (running_mean is None and running_var is None)
         track = not self.training or self.track_running_stats
         return F.batch_norm(input,
-                            self.running_mean if track else None,
-                            self.running_var if track else None,
+                            running_mean if track else None,
+                            running_var if track else None,
                             self.weight, self.bias, use_batch_stats, factor, self.eps)
 
 
