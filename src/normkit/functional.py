@@ -32,10 +32,14 @@ def _size(shape) -> list:
     return [int(s) for s in shape]
 
 
-def _check_channels(input, **params):
-    """Every given per-channel tensor must have C = input.shape[1] elements."""
+_CHANNEL_PARAMS = ("running_mean", "running_var", "weight", "bias")
+
+
+def _check_channels(input, running_mean=None, running_var=None, weight=None, bias=None):
+    """Every given per-channel tensor must have C = input.shape[1] elements. (Named
+    parameters, not ``**params``: a keyword dict per call costs on a small tensor.)"""
     c = input.shape[1]
-    for name, p in params.items():
+    for name, p in zip(_CHANNEL_PARAMS, (running_mean, running_var, weight, bias)):
         if p is not None and p.numel() != c:
             raise RuntimeError(
                 f"{name} should contain {c} elements not {p.numel()} (the input has {c} "
@@ -75,13 +79,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if input.dim() < 2:
         raise ValueError(f"batch_norm expects an input of shape (N, C, *), got {input.dim()}D "
                          f"input of size {_size(input.shape)}; add a batch dim with unsqueeze(0)")
-    shape = input.shape
-    c = shape[1]
-    for p in (running_mean, running_var, weight, bias):    # (no dict of keywords per call)
-        if p is not None and p.numel() != c:
-            _check_channels(input, running_mean=running_mean, running_var=running_var,
-                            weight=weight, bias=bias)
-    grouping = G.batch(shape)
+    _check_channels(input, running_mean, running_var, weight, bias)
+    grouping = G.batch(input.shape)
     if eps < 0 or (training and eps == 0):
         raise ValueError(f"batch_norm eps must be positive (non-negative in eval), got "
                          f"eps={eps}: it keeps a constant channel from dividing by zero; "
@@ -327,13 +326,8 @@ def batch_renorm(input, running_mean, running_var, weight=None, bias=None, train
                          f"d_max={d_max}; r_max=1, d_max=0 is plain batch_norm")
     if not training:
         return batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
-    shape = input.shape
-    c = shape[1]
-    for p in (running_mean, running_var, weight, bias):    # (no dict of keywords per call)
-        if p is not None and p.numel() != c:
-            _check_channels(input, running_mean=running_mean, running_var=running_var,
-                            weight=weight, bias=bias)
-    grouping = G.batch(shape)
+    _check_channels(input, running_mean, running_var, weight, bias)
+    grouping = G.batch(input.shape)
     n = grouping.group_size
     if n == 1:
         raise ValueError(

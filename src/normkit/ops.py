@@ -31,7 +31,9 @@ backward, ``create_graph``) it evaluates the same formula with differentiable to
 and statistics recomputed from ``x``, so autograd differentiates the hand-derived
 backward. In plain eager mode (no tracing, no dispatch mode, a plain tensor)
 ``norm_forward`` here runs what those kernels would run without the two Python round
-trips through the dispatcher.
+trips through the dispatcher: for a small contiguous CPU input, the plan's C++ node
+(``normkit.backends.cpu.native``: a ``torch::autograd::Function`` in C++, whose backward
+calls ``norm_backward`` when it is itself differentiated), else ``NormFunction``.
 
 The public operators, one per ``normkit.functional`` op with its signature
 (``layer_norm``, ``rms_norm``, ``group_norm``, ``instance_norm``, ``batch_norm``,

@@ -28,7 +28,8 @@ described by a ``normkit.grouping.Grouping``:
     back None; fixed statistics as ``mean`` and ``var``: rstd computed from var) and
     ``backward(grad, x, mean, rstd, weight, needs)`` for this grouping, dtype and layout,
     with every decision that depends only on those made once (the CPU kernels' sizes,
-    blocks and threads).
+    blocks and threads), and ``native``: the C++ node that runs its calls
+    (``normkit.backends.cpu.native``), or None.
 
 Backends are tried in order; ``torch_ops`` (a composite of torch ops, any device) always
 supports everything and is the fallback. ``plan`` below is what the operators call: the

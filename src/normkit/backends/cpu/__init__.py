@@ -9,6 +9,8 @@ takes and which kernel family runs them; the modules below do the rest:
                    and what each call does: allocate, view, launch
 ``entries``        the kernels as the plans call them: tensors passed by address and
                    rebuilt as arrays inside compiled code (``address``)
+``native``         small calls in C++: a plan's entries as C callbacks behind a
+                   ``torch::autograd::Function`` (``native.cpp``, compiled at first use)
 ``half``           loads and stores of every storage type (bfloat16/float16 in registers)
 ``stores``         the output formulas, each written once, stored plainly or streamed,
                    with prefetch: one driver for every kernel
