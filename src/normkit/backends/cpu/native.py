@@ -4,8 +4,9 @@ On a small tensor a normalization's cost is the Python around its kernel, most o
 Python ``autograd.Function`` and the plan's calls inside it (``docs/performance.md``, "A
 C++ autograd node, measured"). So for a plan that runs on the calling thread, this module
 compiles the plan's two kernels as C callbacks (``numba.cfunc``, each a thin wrapper
-around the entry in ``entries`` that the Python plan calls: the same compiled loop, the
-same results to the bit) and hands their addresses, with the plan's constant arguments,
+around the entry in ``entries`` that the Python plan calls: the same code, compiled with
+the entry inlined, so the same results to rounding -- the re-associable reductions of
+``half.accumulate`` may be split into lanes otherwise) and hands their addresses, with the plan's constant arguments,
 to a ``Plan`` of the C++ extension. Its ``apply`` runs a ``torch::autograd::Function``:
 allocation with ATen, the forward kernel, the saved tensors and, on backward, the
 backward kernel, with no Python in between; its ``forward`` does the same without a
