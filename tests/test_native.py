@@ -244,3 +244,14 @@ def test_running_statistics_updated_in_the_node_or_after_it(dtype):
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), **tol)
+
+
+def test_a_plan_refuses_a_tensor_it_was_not_built_for():
+    x = torch.randn(4, 16)
+    node = backends.plan(x, G.layer(x.shape, 1)).native
+    assert node is not None
+    with pytest.raises(RuntimeError, match="built for a contiguous CPU tensor of 64 Float elements"):
+        node.forward(torch.randn(4, 16, dtype=torch.float64), None, None, 1e-5, None, None,
+                     False, False)
+    with pytest.raises(RuntimeError, match="got sizes \\[5, 16\\]"):
+        node.apply(torch.randn(5, 16), None, None, 1e-5, None, None, None, False)

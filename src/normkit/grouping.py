@@ -72,10 +72,6 @@ class Grouping(NamedTuple):
         return tuple([d for d, s in enumerate(self.param_view) if s == 1 and self.view[d] != 1])
 
 
-def _spatial(shape) -> int:
-    return math.prod(shape[2:])
-
-
 def batch(shape) -> Grouping:
     """BatchNorm: one statistic per channel, over the batch and all spatial positions."""
     n, c = shape[0], shape[1]

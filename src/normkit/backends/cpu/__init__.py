@@ -82,7 +82,7 @@ def plan(x, grouping, center=True, fixed=False):
     that views as it); see ``plans``. Its ``native`` is the C++ node that runs its small
     calls (``native``), or None."""
     found = _FAMILIES[layout(x.view(grouping.view), grouping)](x, grouping, center, fixed)
-    found.native = native.node(found)
+    found.native = native.node(found, x)
     return found
 
 

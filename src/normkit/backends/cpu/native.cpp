@@ -40,6 +40,8 @@ struct Plan : torch::CustomClassHolder {
   std::vector<int64_t> view, reduce;
   c10::optional<std::vector<int64_t>> param_view;
   bool center = true;
+  at::ScalarType dtype = at::kFloat;   // the input's, and its number of elements
+  int64_t numel = 0;
 
   at::ScalarType sdtype() const { return ones.scalar_type(); }
 
@@ -70,10 +72,14 @@ int64_t address(const Tensor& t) {
   return t.defined() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0;
 }
 
+// the kernels trust the plan's sizes and dtype: a tensor of another is refused here
 void check_input(const Plan& p, const Tensor& x) {
-  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(),
-              "normkit native plan: expected a contiguous CPU tensor, got sizes ", x.sizes(),
-              " strides ", x.strides(), "; the Python path takes any layout");
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == p.dtype &&
+                  x.numel() == p.numel,
+              "normkit native plan: built for a contiguous CPU tensor of ", p.numel, " ",
+              c10::toString(p.dtype), " elements, got sizes ", x.sizes(), ", strides ",
+              x.strides(), ", ", c10::toString(x.scalar_type()), "; take the plan of this "
+              "input from normkit.backends.plan");
 }
 
 // BatchNorm's running statistics in place, as normkit.backends.cpu.running does it (the
@@ -311,7 +317,7 @@ tensor_list apply(Plan& plan, const Tensor& x, const c10::optional<Tensor>& w,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Plan, c10::intrusive_ptr<Plan>>(m, "Plan")
-      .def(py::init([](int64_t forward_kernel, int64_t backward_kernel,
+      .def(py::init([](const Tensor& like, int64_t forward_kernel, int64_t backward_kernel,
                        std::vector<int64_t> forward_consts, std::vector<int64_t> backward_consts,
                        std::vector<int64_t> stat_shape, Tensor ones, Tensor zeros,
                        bool zero_grads, std::string kind, std::vector<int64_t> view,
@@ -329,6 +335,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              p->ones = ones, p->zeros = zeros, p->zero_grads = zero_grads;
              p->kind = std::move(kind), p->view = std::move(view), p->reduce = std::move(reduce);
              p->param_view = std::move(param_view), p->center = center;
+             p->dtype = like.scalar_type();
+             p->numel = 1;
+             for (int64_t v : p->view) p->numel *= v;
              return p;
            }))
       .def("forward", &forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("eps"),

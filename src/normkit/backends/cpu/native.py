@@ -168,9 +168,9 @@ def _family(plan):
             ncs + [plan.groups, center, fixed, plan.ahead], False)
 
 
-def node(plan):
-    """The C++ ``Plan`` that runs this Python plan's calls, or None (see the module's
-    docstring for where; the extension unavailable or switched off)."""
+def node(plan, x):
+    """The C++ ``Plan`` that runs the calls of this Python plan, built for ``x``, or None
+    (see the module's docstring for where; the extension unavailable or switched off)."""
     if plan.threads != 1 or plan.may_stream or plan.large:
         return None
     found = _family(plan)
@@ -182,7 +182,7 @@ def node(plan):
     family, forward_consts, backward_consts, zero_grads = found
     forward, backward = _kernels(family, plan.proto, plan.sproto)
     g = plan.grouping
-    return ext.Plan(forward.address, backward.address, forward_consts, backward_consts,
+    return ext.Plan(x.new_empty(0), forward.address, backward.address, forward_consts, backward_consts,
                     list(plan.stat_shape), plan.ones, plan.zeros, zero_grads, g.kind,
                     list(g.view), list(g.reduce),
                     None if g.param_view is None else list(g.param_view), plan.center)
