@@ -167,6 +167,26 @@ tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const T
                         const Tensor& mean, const Tensor& rstd, double eps, bool fixed,
                         std::array<bool, 3> needs);
 
+// (dx, dweight, dbias) of one backward call, the parameter gradients (params,) of the
+// statistics dtype
+tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, const Tensor& w,
+                         const Tensor& mean, const Tensor& rstd) {
+  check_input(p, x);
+  Tensor g = grad.contiguous();
+  Tensor dx = at::empty_like(x);
+  auto options = x.options().dtype(p.sdtype());
+  int64_t params = p.ones.numel();
+  Tensor dw = p.zero_grads ? at::zeros({params}, options) : at::empty({params}, options);
+  Tensor db = p.zero_grads ? at::zeros({params}, options) : at::empty({params}, options);
+  Tensor wk = p.param(w, p.ones), ms = p.stat(mean), rs = p.stat(rstd);
+  int64_t a[kMaxArgs];
+  p.args(a, {address(g), address(x), address(dx), address(wk), address(ms), address(rs),
+             address(dw), address(db)},
+         p.backward_consts);
+  p.backward_kernel(a, 0.0);
+  return {dx, dw, db};
+}
+
 // what a node keeps besides its saved tensors: one capsule under one key (each key of
 // the context's map costs a string and a hash per call)
 struct Kept : torch::CustomClassHolder {
@@ -230,18 +250,8 @@ struct NormNode : public torch::autograd::Function<NormNode> {
       auto out = backward_op(p, g, x, w, mean, rstd, kept->eps, kept->fixed, needs);
       dx = out[0], dw = out[1], db = out[2];
     } else {
-      g = g.contiguous();
-      dx = at::empty_like(x);
-      auto options = x.options().dtype(p.sdtype());
-      int64_t params = p.ones.numel();
-      dw = p.zero_grads ? at::zeros({params}, options) : at::empty({params}, options);
-      db = p.zero_grads ? at::zeros({params}, options) : at::empty({params}, options);
-      Tensor wk = p.param(w, p.ones), ms = p.stat(mean), rs = p.stat(rstd);
-      int64_t a[kMaxArgs];
-      p.args(a, {address(g), address(x), address(dx), address(wk), address(ms), address(rs),
-                 address(dw), address(db)},
-             p.backward_consts);
-      p.backward_kernel(a, 0.0);
+      auto out = run_backward(p, g, x, w, mean, rstd);
+      dx = out[0], dw = out[1], db = out[2];
     }
     if (needs[0]) result[0] = dx.sizes() == x.sizes() ? dx : dx.reshape(x.sizes());
     if (needs[1]) result[1] = as_param(dw, w.sizes(), w.scalar_type());
@@ -295,6 +305,12 @@ tensor_list forward(const Plan& plan, const Tensor& x, const c10::optional<Tenso
                      running_of(running_mean, running_var, momentum, unbias));
 }
 
+// the Python plan's backward on the same compiled kernel (no graph)
+tensor_list backward(const Plan& plan, const Tensor& grad, const Tensor& x,
+                     const c10::optional<Tensor>& w, const Tensor& mean, const Tensor& rstd) {
+  return run_backward(plan, grad, x, optional(w), mean, rstd);
+}
+
 // recorded for autograd: (y, mean, rstd, var), or y alone with fixed statistics (mean,
 // rstd; or mean, var with rstd = None), keep_stats false, or running buffers updated
 tensor_list apply(Plan& plan, const Tensor& x, const c10::optional<Tensor>& w,
@@ -344,6 +360,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("fixed_mean"), py::arg("fixed"), py::arg("from_var"), py::arg("keep_stats"),
            py::arg("running_mean") = py::none(), py::arg("running_var") = py::none(),
            py::arg("momentum") = 0.0, py::arg("unbias") = 1.0)
+      .def("backward", &backward)
       .def("apply", &apply, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("eps"),
            py::arg("fixed_mean"), py::arg("rstd"), py::arg("var"), py::arg("keep_stats"),
            py::arg("running_mean") = py::none(), py::arg("running_var") = py::none(),

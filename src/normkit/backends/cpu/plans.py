@@ -63,7 +63,15 @@ def _ncs(x, grouping):
 
 class _Plan:
     """What every family shares: sizes, dtypes, threads, the output allocation, the
-    parameters and statistics as the kernels' entries take them (``entries``)."""
+    parameters and statistics as the kernels' entries take them (``entries``).
+
+    ``native``: the plan's C++ node (``normkit.backends.cpu.native``, set by
+    ``normkit.backends.cpu.plan``) or None. Where there is one, the plan's own calls run
+    its compiled callbacks too (``_native_forward``, ``_native_backward``), so that every
+    path of one shape -- the node, the operator, the residual-add and SyncBatchNorm
+    calls -- runs one compilation of the kernels and rounds alike."""
+
+    native = None
 
     def __init__(self, x, grouping, center, fixed, params):
         self.grouping, self.center, self.fixed = grouping, bool(center), bool(fixed)
@@ -124,6 +132,16 @@ class _Plan:
         return stats, (stats[0].data_ptr(), stats[1].data_ptr(), stats[2].data_ptr())
 
 
+def _native_forward(native, x, weight, bias, eps, mean, rstd, keep_stats, var):
+    """A plan's ``forward`` on its C++ node's callbacks (no graph)."""
+    from_var = mean is not None and rstd is None
+    out = native.forward(x, weight, bias, eps, mean, var if from_var else rstd, from_var,
+                         keep_stats)
+    if len(out) == 4:
+        return tuple(out)
+    return out[0], mean, rstd, None          # fixed statistics, or none kept
+
+
 def _asked(needs, *grads):
     """The gradients asked for in ``needs``, None for the others."""
     return tuple(g if need else None for g, need in zip(grads, needs))
@@ -145,6 +163,9 @@ class RowsPlan(_Plan):
         self.ahead = tuning.rows_ahead(self.k, self.itemsize)
 
     def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
+        if self.native is not None:
+            return _native_forward(self.native, x, weight, bias, eps, mean, rstd, keep_stats,
+                                   var)
         y = self.empty(x)
         stats, at = self.stats(keep_stats)
         w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
@@ -155,6 +176,8 @@ class RowsPlan(_Plan):
         return _outputs(y, stats, keep_stats)
 
     def backward(self, grad, x, mean, rstd, weight, needs):
+        if self.native is not None:
+            return _asked(needs, *self.native.backward(grad, x, weight, mean, rstd))
         grad = grad.contiguous()
         dx = self.empty(x)
         chunks = self.threads
@@ -201,6 +224,9 @@ class PlanesPlan(_ChannelsPlan):
         self.ahead = tuning.rows_ahead(self.s, self.itemsize)
 
     def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
+        if self.native is not None:
+            return _native_forward(self.native, x, weight, bias, eps, mean, rstd, keep_stats,
+                                   var)
         y = self.empty(x)
         w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
         from_var = rstd is None and var is not None
@@ -227,6 +253,8 @@ class PlanesPlan(_ChannelsPlan):
         return _outputs(y, stats, keep_stats)
 
     def backward(self, grad, x, mean, rstd, weight, needs):
+        if self.native is not None:
+            return _asked(needs, *self.native.backward(grad, x, weight, mean, rstd))
         if not grad.is_contiguous():
             grad = grad.contiguous()
         dx = self.empty(x)
