@@ -324,8 +324,10 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
                     out = (node.apply(x, weight, bias, eps, mean, rstd, var, keep_stats)
                            if running is None else
                            node.apply(x, weight, bias, eps, None, None, None, True, *running))
-                elif running is None:
-                    return plan.forward(x, weight, bias, eps, mean, rstd, keep_stats, var)
+                elif running is None:     # (plan.forward would do this, one call later)
+                    from_var = mean is not None and rstd is None
+                    out = node.forward(x, weight, bias, eps, mean, var if from_var else rstd,
+                                       from_var, keep_stats)
                 else:
                     out = node.forward(x, weight, bias, eps, None, None, False, True, *running)
                 if len(out) == 4:
