@@ -250,7 +250,8 @@ def test_a_plan_refuses_a_tensor_it_was_not_built_for():
     x = torch.randn(4, 16)
     node = backends.plan(x, G.layer(x.shape, 1)).native
     assert node is not None
-    with pytest.raises(RuntimeError, match="built for a contiguous CPU tensor of 64 Float elements"):
+    with pytest.raises(RuntimeError,
+                       match="built for a contiguous CPU tensor of 64 Float elements"):
         node.forward(torch.randn(4, 16, dtype=torch.float64), None, None, 1e-5, None, None,
                      False, False)
     with pytest.raises(RuntimeError, match="got sizes \\[5, 16\\]"):

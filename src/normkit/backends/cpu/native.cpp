@@ -59,12 +59,12 @@ struct Plan : torch::CustomClassHolder {
     return t;
   }
 
-  int64_t args(int64_t* a, std::initializer_list<int64_t> addresses,
-               const std::vector<int64_t>& consts) const {
+  // a kernel's argument array: the addresses, then the plan's constants
+  void args(int64_t* a, std::initializer_list<int64_t> addresses,
+            const std::vector<int64_t>& consts) const {
     int64_t i = 0;
     for (int64_t v : addresses) a[i++] = v;
     for (int64_t v : consts) a[i++] = v;
-    return i;
   }
 };
 
@@ -204,8 +204,9 @@ Tensor as_param(const Tensor& grad, at::IntArrayRef shape, at::ScalarType dtype)
 }
 
 struct NormNode : public torch::autograd::Function<NormNode> {
-  // fixed_mean / fixed_rstd undefined: batch statistics, returned as three more outputs
-  // (undefined tensors as empty optionals: the Function takes no undefined tensor input)
+  // given_mean / given_rstd empty: batch statistics, returned as three more outputs unless
+  // not kept or used for the running update (undefined tensors as empty optionals: the
+  // Function takes no undefined tensor input)
   static tensor_list forward(AutogradContext* ctx, Tensor x, c10::optional<Tensor> weight,
                              c10::optional<Tensor> bias, double eps,
                              c10::optional<Tensor> given_mean, c10::optional<Tensor> given_rstd,

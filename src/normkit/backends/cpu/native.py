@@ -6,8 +6,8 @@ C++ autograd node, measured"). So for a plan that runs on the calling thread, th
 compiles the plan's two kernels as C callbacks (``numba.cfunc``, each a thin wrapper
 around the entry in ``entries`` that the Python plan calls: the same code, compiled with
 the entry inlined, so the same results to rounding -- the re-associable reductions of
-``half.accumulate`` may be split into lanes otherwise) and hands their addresses, with the plan's constant arguments,
-to a ``Plan`` of the C++ extension. Its ``apply`` runs a ``torch::autograd::Function``:
+``half.accumulate`` may be split into lanes otherwise) and hands their addresses, with
+the plan's constant arguments, to a ``Plan`` of the C++ extension. Its ``apply`` runs a ``torch::autograd::Function``:
 allocation with ATen, the forward kernel, the saved tensors and, on backward, the
 backward kernel, with no Python in between; its ``forward`` does the same without a
 graph (no gradient to record, eval BatchNorm).
@@ -182,9 +182,9 @@ def node(plan, x):
     family, forward_consts, backward_consts, zero_grads = found
     forward, backward = _kernels(family, plan.proto, plan.sproto)
     g = plan.grouping
-    return ext.Plan(x.new_empty(0), forward.address, backward.address, forward_consts, backward_consts,
-                    list(plan.stat_shape), plan.ones, plan.zeros, zero_grads, g.kind,
-                    list(g.view), list(g.reduce),
+    return ext.Plan(x.new_empty(0), forward.address, backward.address, forward_consts,
+                    backward_consts, list(plan.stat_shape), plan.ones, plan.zeros, zero_grads,
+                    g.kind, list(g.view), list(g.reduce),
                     None if g.param_view is None else list(g.param_view), plan.center)
 
 
