@@ -291,22 +291,64 @@ def _nc_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
 
 
 @triton.jit
-def _nc_grad_sums_kernel(G, X, Mu, MuLo, Rs, PSg, PSgx, C, S, s_per_part, sgn, sgc, sgs,
-                         sxn, sxc, sxs, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+def _nc_stats_kernel(PMean, PM2, Mean, MeanLo, Var, Rstd, N_PER, P, C, G, CG, S, s_per_part,
+                     eps, BLOCK_G: tl.constexpr):
+    """The grouping's statistics from the (N, P, C) partials of ``_nc_moments_kernel``, in
+    float64: program (a, gb) merges, for the groups ``[gb * BLOCK_G, ...)`` of ``CG``
+    channels, the partials of samples ``[a * N_PER, ...)`` (BatchNorm: N_PER = N, one
+    program row; Instance/GroupNorm: N_PER = 1) over every part::
+
+        mean = sum(n_i mean_i) / n,   M2 = sum(M2_i + n_i (mean_i - mean)^2)
+
+    ``n_i`` is the part's count of positions. Writes (A, G) fp32: the mean as hi
+    (``Mean``) + lo (``MeanLo``), the variance and ``rstd = 1 / sqrt(var + eps)``."""
+    a = tl.program_id(0)
+    gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)      # BLOCK_G
+    gmask = gs < G
+    n0 = a * N_PER
+    total = N_PER.to(tl.float64) * S * CG
+    acc = tl.zeros([BLOCK_G], dtype=tl.float64)
+    for n in range(n0, n0 + N_PER):
+        for p in range(0, P):
+            cnt = tl.minimum(tl.maximum(S - p * s_per_part, 0), s_per_part).to(tl.float64)
+            for j in range(0, CG):
+                pm = tl.load(PMean + (n * P + p) * C + gs * CG + j, mask=gmask, other=0.0)
+                acc += cnt * pm
+    mean = acc / total
+    m2 = tl.zeros([BLOCK_G], dtype=tl.float64)
+    for n in range(n0, n0 + N_PER):
+        for p in range(0, P):
+            cnt = tl.minimum(tl.maximum(S - p * s_per_part, 0), s_per_part).to(tl.float64)
+            for j in range(0, CG):
+                offs = (n * P + p) * C + gs * CG + j
+                d = tl.load(PMean + offs, mask=gmask, other=0.0) - mean
+                m2 += tl.load(PM2 + offs, mask=gmask, other=0.0).to(tl.float64) + cnt * d * d
+    var = m2 / total
+    hi = mean.to(tl.float32)
+    out = a * G + gs
+    tl.store(Mean + out, hi, mask=gmask)
+    tl.store(MeanLo + out, (mean - hi.to(tl.float64)).to(tl.float32), mask=gmask)
+    tl.store(Var + out, var.to(tl.float32), mask=gmask)
+    tl.store(Rstd + out, (1.0 / tl.sqrt(var + eps)).to(tl.float32), mask=gmask)
+
+
+@triton.jit
+def _nc_grad_sums_kernel(G, X, Mean, Rstd, PSg, PSgx, C, S, CG, stat_sn, s_per_part,
+                         sgn, sgc, sgs, sxn, sxc, sxs, BLOCK_C: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
     """Per-(n, c) partial sums of ``g`` and ``g * xhat`` over one range of positions (the
-    tiling of ``_nc_moments_kernel``); Mu, Rs: per-(n, c) statistics, (N, C) fp32.
-    These are dbias and dweight before the sums over parts and samples, and the group
-    sums c_var, c_mean of the input gradient. The mean comes as fp32 ``Mu + MuLo`` (hi + lo):
-    ``(x - hi) - lo`` keeps the digits of inputs far from 0."""
+    tiling of ``_nc_moments_kernel``); Mean, Rstd: the statistics of each (sample,
+    group), read as in ``_nc_affine_kernel``. These are dbias and dweight before the sums
+    over parts and samples, and the terms of the group sums c_var, c_mean."""
     n = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p = tl.program_id(2)
     cmask = cs < C
     s0 = p * s_per_part
     s1 = tl.minimum(s0 + s_per_part, S)
-    mu = tl.load(Mu + n * C + cs, mask=cmask, other=0.0)           # BLOCK_C
-    mu_lo = tl.load(MuLo + n * C + cs, mask=cmask, other=0.0)
-    rs = tl.load(Rs + n * C + cs, mask=cmask, other=0.0)
+    st = n * stat_sn + cs // CG
+    mu = tl.load(Mean + st, mask=cmask, other=0.0).to(tl.float32)  # BLOCK_C
+    rs = tl.load(Rstd + st, mask=cmask, other=0.0).to(tl.float32)
     sg = tl.zeros([BLOCK_C], dtype=tl.float32)
     sgx = tl.zeros([BLOCK_C], dtype=tl.float32)
     c64 = cs[:, None].to(tl.int64)
@@ -316,7 +358,7 @@ def _nc_grad_sums_kernel(G, X, Mu, MuLo, Rs, PSg, PSgx, C, S, s_per_part, sgn, s
         s64 = ss.to(tl.int64)
         g = tl.load(G + n * sgn + c64 * sgc + s64 * sgs, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(X + n * sxn + c64 * sxc + s64 * sxs, mask=mask, other=0.0).to(tl.float32)
-        xh = ((x - mu[:, None]) - mu_lo[:, None]) * rs[:, None]    # BLOCK_C, BLOCK_S
+        xh = (x - mu[:, None]) * rs[:, None]                       # BLOCK_C, BLOCK_S
         sg += tl.sum(g, axis=1)
         sgx += tl.sum(g * xh, axis=1)
     out = (n * tl.num_programs(2) + p) * C + cs
@@ -325,28 +367,84 @@ def _nc_grad_sums_kernel(G, X, Mu, MuLo, Rs, PSg, PSgx, C, S, s_per_part, sgn, s
 
 
 @triton.jit
-def _nc_affine_kernel(X, G, Y, Mu, MuLo, A, Bc, ScaleG, C, S, s_per_part, sxn, sxc, sxs,
-                      sgn, sgc, sgs, syn, syc, sys_, HAS_G: tl.constexpr,
-                      BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
-    """``y = (x - mu) * a + b (+ g * scale_g)`` with per-(n, c) coefficients ((N, C)
-    fp32).
+def _nc_grad_stats_kernel(PSg, PSgx, W, CVar, CMean, N_PER, P, C, G, CG, S,
+                          HAS_W: tl.constexpr, CENTER: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The group sums of the input gradient from the (N, P, C) partials of
+    ``_nc_grad_sums_kernel``, in float64, over the tiling of ``_nc_stats_kernel``::
+
+        c_var = sum(w * g * xhat) / n,   c_mean = sum(w * g) / n   (0 without centering)
+
+    Writes (A, G) fp32."""
+    a = tl.program_id(0)
+    gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = gs < G
+    n0 = a * N_PER
+    sv = tl.zeros([BLOCK_G], dtype=tl.float64)
+    sm = tl.zeros([BLOCK_G], dtype=tl.float64)
+    for j in range(0, CG):
+        w = tl.full([BLOCK_G], 1.0, tl.float64)
+        if HAS_W:
+            w = tl.load(W + gs * CG + j, mask=gmask, other=0.0).to(tl.float64)
+        for n in range(n0, n0 + N_PER):
+            for p in range(0, P):
+                offs = (n * P + p) * C + gs * CG + j
+                sv += w * tl.load(PSgx + offs, mask=gmask, other=0.0).to(tl.float64)
+                sm += w * tl.load(PSg + offs, mask=gmask, other=0.0).to(tl.float64)
+    total = N_PER.to(tl.float64) * S * CG
+    out = a * G + gs
+    tl.store(CVar + out, (sv / total).to(tl.float32), mask=gmask)
+    if CENTER:
+        sm = sm / total
+    else:
+        sm = tl.zeros([BLOCK_G], dtype=tl.float64)
+    tl.store(CMean + out, sm.to(tl.float32), mask=gmask)
+
+
+@triton.jit
+def _nc_affine_kernel(X, G, Y, Mean, MeanLo, Rstd, CVar, CMean, W, B, C, S, CG, stat_sn,
+                      s_per_part, sxn, sxc, sxs, sgn, sgc, sgs, syn, syc, sys_,
+                      HAS_G: tl.constexpr, FIXED: tl.constexpr, HAS_LO: tl.constexpr,
+                      HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_C: tl.constexpr,
+                      BLOCK_S: tl.constexpr):
+    """``y = (x - mu) * a + b (+ g * scale_g)``, the coefficients made per channel from
+    the statistics of its (sample, group): ``Mean``, ``Rstd`` (and ``CVar``, ``CMean``)
+    at ``n * stat_sn + c // CG`` (stat_sn = 0: one statistic per group for every sample).
 
     Forward: ``a = rstd * w``, ``b = bias``. Backward (``HAS_G``): ``scale_g = rstd * w``,
     ``a = -rstd^2 * c_var``, ``b = -rstd * c_mean``, i.e. ``dx = rstd * (g * w - c_mean -
-    xhat * c_var)``. The mean is fp32 ``Mu + MuLo`` (hi + lo), subtracted before scaling:
-    ``(x - hi) - lo`` keeps the digits of inputs far from 0."""
+    xhat * c_var)``; with ``FIXED`` (statistics that are constants) ``a = b = 0``.
+    With ``HAS_LO`` the mean is fp32 ``Mean + MeanLo`` (hi + lo),
+    subtracted before scaling: ``(x - hi) - lo`` keeps the digits of inputs far from 0."""
     n = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p = tl.program_id(2)
     cmask = cs < C
     s0 = p * s_per_part
     s1 = tl.minimum(s0 + s_per_part, S)
-    mu = tl.load(Mu + n * C + cs, mask=cmask, other=0.0)[:, None]  # BLOCK_C, 1
-    mu_lo = tl.load(MuLo + n * C + cs, mask=cmask, other=0.0)[:, None]
-    a = tl.load(A + n * C + cs, mask=cmask, other=0.0)[:, None]
-    b = tl.load(Bc + n * C + cs, mask=cmask, other=0.0)[:, None]
+    st = n * stat_sn + cs // CG                                    # BLOCK_C
+    mu = tl.load(Mean + st, mask=cmask, other=0.0).to(tl.float32)
+    mu_lo = 0.0
+    if HAS_LO:
+        mu_lo = tl.load(MeanLo + st, mask=cmask, other=0.0)
+    rs = tl.load(Rstd + st, mask=cmask, other=0.0).to(tl.float32)
+    scale = rs
+    if HAS_W:
+        scale = rs * tl.load(W + cs, mask=cmask, other=0.0).to(tl.float32)
     if HAS_G:
-        scale_g = tl.load(ScaleG + n * C + cs, mask=cmask, other=0.0)[:, None]
+        if FIXED:
+            a = tl.zeros([BLOCK_C], dtype=tl.float32)
+            b = tl.zeros([BLOCK_C], dtype=tl.float32)
+        else:
+            a = -rs * rs * tl.load(CVar + st, mask=cmask, other=0.0)
+            b = -rs * tl.load(CMean + st, mask=cmask, other=0.0)
+    else:
+        a = scale
+        b = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if HAS_B:
+            b = tl.load(B + cs, mask=cmask, other=0.0).to(tl.float32)
+    mu, a, b, scale = mu[:, None], a[:, None], b[:, None], scale[:, None]   # BLOCK_C, 1
+    if HAS_LO:
+        mu_lo = mu_lo[:, None]
     c64 = cs[:, None].to(tl.int64)
     for sb in range(s0, s1, BLOCK_S):
         ss = (sb + tl.arange(0, BLOCK_S))[None, :]
@@ -356,5 +454,5 @@ def _nc_affine_kernel(X, G, Y, Mu, MuLo, A, Bc, ScaleG, C, S, s_per_part, sxn, s
         y = ((x - mu) - mu_lo) * a + b                             # BLOCK_C, BLOCK_S
         if HAS_G:
             g = tl.load(G + n * sgn + c64 * sgc + s64 * sgs, mask=mask, other=0.0)
-            y = y + g.to(tl.float32) * scale_g
+            y = y + g.to(tl.float32) * scale
         tl.store(Y + n * syn + c64 * syc + s64 * sys_, y.to(Y.dtype.element_ty), mask=mask)

@@ -26,15 +26,20 @@ LayerNorm / RMSNorm (``_rows_*``), an (M, K) view of rows:
               reduction, no atomics.
 Batch / Instance / GroupNorm (``_nc_*``), an (N, C, S) view with any strides:
     stats     tiles of (channels x positions) give per-(n, c) mean and M2 over P ranges
-              of positions (two-pass per tile, Chan merge across tiles); the (N, P, C)
-              partials are Chan-merged into the grouping's statistics in float64 (over
-              parts; and over samples for BatchNorm, over the group's channels for
-              GroupNorm).
-    apply     ``y = (x - mu) * (rstd * w) + b`` with per-(n, c) coefficients.
-    backward  per-(n, c) partial sums of ``g`` and ``g * xhat`` (same tiling), summed to
-              dbias/dweight and to the group sums c_var, c_mean; then the apply kernel
-              writes ``dx = g * scale_g + (x - mu) * a + b`` (``scale_g = rstd w``,
-              ``a = -rstd^2 c_var``, ``b = -rstd c_mean``).
+              of positions (two-pass per tile, Chan merge across tiles); a second
+              kernel merges the (N, P, C) partials into the grouping's statistics in
+              float64 (over parts; and over samples for BatchNorm, over the group's
+              channels for GroupNorm).
+    apply     ``y = (x - mu) * (rstd * w) + b``, the coefficients made per channel inside
+              the kernel from the statistics of its (sample, group).
+    backward  per-(n, c) partial sums of ``g`` and ``g * xhat`` (same tiling); a second
+              kernel sums them to the group sums c_var, c_mean (float64), and torch sums
+              them to dbias/dweight; then the apply kernel writes ``dx = g * scale_g +
+              (x - mu) * a + b`` (``scale_g = rstd w``, ``a = -rstd^2 c_var``,
+              ``b = -rstd c_mean``).
+Each call is a few launches (forward 3, backward 4), no torch ops between them but
+allocations: on the GPU the host's time per launch, not the kernels, bounds a call on
+all but the largest tensors (docs/gpu.md).
 The tiles are wide along whichever of channels and positions is contiguous, so contiguous
 NCHW and channels_last both read memory in order.
 """
@@ -59,6 +64,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROW_BLOCK_MAX = 8192
 TILE_MAX = 2048
 CL_BLOCK_C = 64
+STAT_BLOCK_MAX = 128  # groups per program of the second-stage (statistics) kernels
 PROGRAMS_PER_SM = 4
 INTERPRETER_SMS = 4   # the "device" of CPU tensors in interpreter mode
 
@@ -219,50 +225,43 @@ def _tiles(x3):
     return block_c, block_s, _cdiv(s, s_per_part), s_per_part
 
 
-def _per_nc(t, grouping, n, c):
-    """Statistics shaped ``grouping.stat_shape`` as per-(n, c) (N, C) fp32."""
-    t = t.to(torch.float32)
-    if grouping.kind == "group":
-        g = grouping.view[1]
-        return t.reshape(n, g, 1).expand(n, g, c // g).reshape(n, c).contiguous()
-    return t.reshape(-1, c).expand(n, c).contiguous()
+def _groups(grouping, c):
+    """``(groups, channels per group)``: Batch/InstanceNorm have one group per channel."""
+    g = grouping.view[1] if grouping.kind == "group" else c
+    return g, c // g
 
 
-def _group_view(t, grouping, n, c):
-    """A per-(n, c) tensor seen as (N, G, C/G); BatchNorm and InstanceNorm: (N, C, 1)."""
-    if grouping.kind == "group":
-        return t.view(n, grouping.view[1], c // grouping.view[1])
-    return t.view(n, c, 1)
+def _samples_per_stat(grouping, n):
+    """Samples merged into one statistic: all of them for BatchNorm, one otherwise."""
+    return n if grouping.kind == "batch" else 1
 
 
-def _group_axes(grouping):
-    """Axes of the (N, G, C/G) view that one statistic sums over."""
-    return (0, 2) if grouping.kind == "batch" else (2,)
+def _stat_stride(t, groups):
+    """Stride along samples of a flat statistic: 0 when there is one per group."""
+    return 0 if t.numel() == groups else groups
 
 
-def _merge(pmean, pm2, counts, grouping, n, c):
-    """Chan merge of per-(n, part, c) moments into the grouping's (mean, var), float64:
-    ``mean = sum(n_i mean_i) / n``, ``M2 = sum(M2_i + n_i (mean_i - mean)^2)``."""
-    parts = pmean.shape[1]
-    groups = grouping.view[1] if grouping.kind == "group" else c
-    gv = (n, parts, groups, c // groups)                           # N, P, G, C/G
-    pm, q = pmean.double().view(gv), pm2.double().view(gv)
-    cnt = counts.double().view(1, parts, 1, 1)
-    axes = (1,) + tuple(a if a == 0 else a + 1 for a in _group_axes(grouping))   # +P
-    total = cnt.expand(gv).sum(axes, keepdim=True)
-    mean = (pm * cnt).sum(axes, keepdim=True) / total
-    m2 = (q + cnt * (pm - mean) ** 2).sum(axes, keepdim=True)
-    return mean, m2 / total
-
-
-def _launch_affine(x3, g3, out3, mu, mu_lo, a, b, scale_g, tiles):
+def _launch_affine(x3, g3, out3, grouping, stats, weight, bias, c_var_mean, tiles,
+                   fixed=False):
+    """``_nc_affine_kernel`` over the (N, C, S) views; ``stats = (mean, mean_lo, rstd)``
+    flat per (sample or 1, group), ``mean_lo`` may be None."""
     n, c, s = x3.shape
     block_c, block_s, parts, spp = tiles
+    mean, mean_lo, rstd = stats
+    groups, cg = _groups(grouping, c)
     g = x3 if g3 is None else g3
+    cv, cm = (rstd, rstd) if c_var_mean is None else c_var_mean
     _k()._nc_affine_kernel[(n, _cdiv(c, block_c), parts)](
-        x3, g, out3, mu, mu_lo, a, b, a if scale_g is None else scale_g, c, s, spp,
-        *x3.stride(), *g.stride(), *out3.stride(), HAS_G=g3 is not None, BLOCK_C=block_c,
-        BLOCK_S=block_s, num_warps=_warps(block_c * block_s))
+        x3, g, out3, mean, rstd if mean_lo is None else mean_lo, rstd, cv, cm,
+        rstd if weight is None else weight, rstd if bias is None else bias, c, s, cg,
+        _stat_stride(rstd, groups), spp, *x3.stride(), *g.stride(), *out3.stride(),
+        HAS_G=g3 is not None, FIXED=bool(fixed), HAS_LO=mean_lo is not None,
+        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_C=block_c, BLOCK_S=block_s,
+        num_warps=_warps(block_c * block_s))
+
+
+def _param(p, c):
+    return None if p is None else p.detach().reshape(c).contiguous()
 
 
 def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
@@ -271,29 +270,29 @@ def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
     dev = x.device
     tiles = _tiles(x3)
     block_c, block_s, parts, spp = tiles
-    var = None
+    groups, cg = _groups(grouping, c)
+    var = mean_lo = None
     if mean is None:
         pmean = torch.empty((n, parts, c), dtype=torch.float64, device=dev)   # N, P, C
         pm2 = torch.empty((n, parts, c), dtype=torch.float32, device=dev)
         _k()._nc_moments_kernel[(n, _cdiv(c, block_c), parts)](
             x3, pmean, pm2, c, s, spp, *x3.stride(), BLOCK_C=block_c, BLOCK_S=block_s,
             num_warps=_warps(block_c * block_s))
-        counts = (s - spp * torch.arange(parts, device=dev)).clamp(0, spp)    # P
-        mean64, var64 = _merge(pmean, pm2, counts, grouping, n, c)
-        shape = grouping.stat_shape
-        mean = mean64.to(torch.float32).view(shape)
-        var = var64.to(torch.float32).view(shape)
-        rstd = torch.rsqrt(var64 + eps).to(torch.float32).view(shape)
-        mu_lo = _per_nc(mean64 - mean.double().view(mean64.shape), grouping, n, c)
+        per = _samples_per_stat(grouping, n)
+        mean, mean_lo, var, rstd = torch.empty((4, n // per * groups), dtype=torch.float32,
+                                               device=dev)            # 4 x (A * G)
+        block_g = min(_pow2(groups), STAT_BLOCK_MAX)
+        _k()._nc_stats_kernel[(n // per, _cdiv(groups, block_g))](
+            pmean, pm2, mean, mean_lo, var, rstd, per, parts, c, groups, cg, s, spp,
+            float(eps), BLOCK_G=block_g)
     else:
-        mu_lo = torch.zeros((n, c), dtype=torch.float32, device=dev)
-    mu = _per_nc(mean, grouping, n, c)                             # N, C: mean = mu + mu_lo
-    rs = _per_nc(rstd, grouping, n, c)
-    w = torch.ones(c, device=dev) if weight is None else weight.detach().reshape(c).float()
-    b = torch.zeros(c, device=dev) if bias is None else bias.detach().reshape(c).float()
+        mean, rstd = mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
     y3 = torch.empty_like(x3)                                      # keeps the layout
-    _launch_affine(x3, None, y3, mu, mu_lo, (rs * w).contiguous(),
-                   b.expand(n, c).contiguous(), None, tiles)
+    _launch_affine(x3, None, y3, grouping, (mean, mean_lo, rstd), _param(weight, c),
+                   _param(bias, c), None, tiles)
+    shape = grouping.stat_shape
+    if var is not None:
+        mean, rstd, var = mean.view(shape), rstd.view(shape), var.view(shape)
     return y3.view(grouping.view), mean, rstd, var
 
 
@@ -304,38 +303,33 @@ def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     g3 = grad.reshape(n, c, s)
     tiles = _tiles(x3)
     block_c, block_s, parts, spp = tiles
-    mu = _per_nc(mean, grouping, n, c)                             # N, C
-    mu_lo = torch.zeros_like(mu)
-    rs = _per_nc(rstd, grouping, n, c)
-    psg = torch.empty((n, parts, c), dtype=torch.float32, device=dev)       # N, P, C
-    psgx = torch.empty((n, parts, c), dtype=torch.float32, device=dev)
+    mean, rstd = mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
+    groups, cg = _groups(grouping, c)
+    psg = torch.empty((2, n, parts, c), dtype=torch.float32, device=dev)    # 2 x (N, P, C)
     _k()._nc_grad_sums_kernel[(n, _cdiv(c, block_c), parts)](
-        g3, x3, mu, mu_lo, rs, psg, psgx, c, s, spp, *g3.stride(), *x3.stride(),
-        BLOCK_C=block_c, BLOCK_S=block_s, num_warps=_warps(block_c * block_s))
-    sg, sgx = psg.double().sum(1), psgx.double().sum(1)           # second stage: N, C
+        g3, x3, mean, rstd, psg[0], psg[1], c, s, cg, _stat_stride(rstd, groups), spp,
+        *g3.stride(), *x3.stride(), BLOCK_C=block_c, BLOCK_S=block_s,
+        num_warps=_warps(block_c * block_s))
+    w = _param(weight, c)
     dx = None
     if needs[0]:
-        w = (torch.ones(c, device=dev, dtype=torch.float64) if weight is None
-             else weight.detach().reshape(c).double())
-        rs64 = rs.double()
-        if fixed:
-            c_var = c_mean = torch.zeros_like(sg)
-        else:
-            axes, cnt = _group_axes(grouping), grouping.group_size
-            gv = _group_view(sg, grouping, n, c).shape
-            c_var = ((w * sgx).view(gv).sum(axes, keepdim=True) / cnt).expand(gv).reshape(n, c)
-            c_mean = ((w * sg).view(gv).sum(axes, keepdim=True) / cnt).expand(gv).reshape(n, c)
-            if not center:
-                c_mean = torch.zeros_like(c_mean)
-        scale_g = (rs64 * w).float().contiguous()
-        a = (-rs64 * rs64 * c_var).float().contiguous()
-        b = (-rs64 * c_mean).float().contiguous()
+        c_var_mean = None
+        if not fixed:
+            per = _samples_per_stat(grouping, n)
+            c_var_mean = torch.empty((2, n // per * groups), dtype=torch.float32, device=dev)
+            block_g = min(_pow2(groups), STAT_BLOCK_MAX)
+            _k()._nc_grad_stats_kernel[(n // per, _cdiv(groups, block_g))](
+                psg[0], psg[1], rstd if w is None else w, c_var_mean[0], c_var_mean[1], per,
+                parts, c, groups, cg, s, HAS_W=w is not None, CENTER=bool(center),
+                BLOCK_G=block_g)
         dx3 = torch.empty_like(x3)
-        _launch_affine(x3, g3, dx3, mu, mu_lo, a, b, scale_g, tiles)
+        _launch_affine(x3, g3, dx3, grouping, (mean, None, rstd), w, None, c_var_mean, tiles,
+                       fixed=fixed)
         dx = dx3.view(grouping.view)
     pshape = grouping.param_view
-    dw = sgx.sum(0).float().view(pshape) if needs[1] else None
-    db = sg.sum(0).float().view(pshape) if needs[2] else None
+    sums = psg.sum((1, 2)) if needs[1] or needs[2] else None      # second stage: 2 x C
+    dw = sums[1].view(pshape) if needs[1] else None
+    db = sums[0].view(pshape) if needs[2] else None
     return dx, dw, db
 
 
