@@ -205,6 +205,14 @@ def test_bench_models_rejects_unknown_names(capsys):
     assert "unknown model" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only machine")
+def test_bench_models_on_cuda_without_a_gpu(capsys):
+    from normkit.cli import main
+
+    assert main(["bench", "--models", "--device", "cuda", "--quick"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16],
                          ids=str)
 @pytest.mark.parametrize("name", ["group", "instance", "instance_running"])

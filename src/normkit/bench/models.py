@@ -130,17 +130,24 @@ def _pair(build):
 
 
 def _time_steps(fn, model, opt, x, steps):
+    cuda = x.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         fn(model, opt, x)
+    if cuda:
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps
 
 
-def measure_model(name, mode, repeats=5, min_seconds=0.3):
-    """One row: best step time of each model and the ratio converted / untouched."""
+def measure_model(name, mode, repeats=5, min_seconds=0.3, device="cpu"):
+    """One row: best step time of each model and the ratio converted / untouched (on
+    ``device``: a CUDA step is timed from synchronize to synchronize)."""
     desc, build, make_input, _ = MODELS[name]
     plain, converted, count = _pair(build)
-    x = make_input()
+    plain, converted = plain.to(device), converted.to(device)
+    x = make_input().to(device)
     fn = _train_step if mode == "train" else _infer_step
     pair = {"untouched": plain, "converted": converted}
     opts = {}
@@ -154,20 +161,21 @@ def measure_model(name, mode, repeats=5, min_seconds=0.3):
     for _ in range(repeats):
         for key, model in pair.items():
             best[key] = min(best[key], _time_steps(fn, model, opts[key], x, steps))
-    return dict(model=name, description=desc, mode=mode, norms_converted=count,
+    return dict(model=name, description=desc, mode=mode, device=str(device),
+                norms_converted=count,
                 steps_per_repeat=steps, untouched_ms=best["untouched"] * 1e3,
                 converted_ms=best["converted"] * 1e3,
                 ratio=best["converted"] / best["untouched"])
 
 
-def run_models(names=None, repeats=5, progress=None):
+def run_models(names=None, repeats=5, progress=None, device="cpu"):
     """Every (model, mode) row of ``names`` (default: all); a row whose library is missing
     becomes ``{"model", "mode", "skipped": reason}``."""
     rows = []
     for name in names or MODELS:
         for mode in MODELS[name][3]:
             try:
-                rows.append(measure_model(name, mode, repeats))
+                rows.append(measure_model(name, mode, repeats, device=device))
             except ImportError as exc:
                 rows.append(dict(model=name, mode=mode, description=MODELS[name][0],
                                  skipped=f"needs {exc.name or exc}"))

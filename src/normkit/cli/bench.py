@@ -40,7 +40,7 @@ def register(subparsers):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the Triton kernels vs torch and Liger-Kernel (if installed) "
                         "in GB/s and as a fraction of the memory bandwidth "
-                        "(normkit.bench.gpu)")
+                        "(normkit.bench.gpu); with --models, the models on the GPU")
     p.set_defaults(func=_main)
 
 
@@ -75,6 +75,11 @@ def _models(args) -> int:
               f"{', '.join(bench.MODELS)}", file=sys.stderr)
         return 2
     names = args.models or (list(bench.QUICK_MODELS) if args.quick else list(bench.MODELS))
+    device = getattr(args, "device", "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("normkit bench --models --device cuda: no CUDA device is visible to torch; "
+              "run it on a GPU machine or drop --device cuda", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (2 if args.quick else 5)
 
@@ -82,17 +87,19 @@ def _models(args) -> int:
         if not args.json and not args.no_progress:
             print(bench.format_models([row]).splitlines()[-1], file=sys.stderr, flush=True)
 
-    report = {"threads": args.threads,
-              "models": bench.run_models(names, repeats=repeats, progress=show),
-              "calls": bench.run_calls(calls=50 if args.quick else 300,
-                                       repeats=3 if args.quick else 15)}
+    report = {"threads": args.threads, "device": device,
+              "models": bench.run_models(names, repeats=repeats, progress=show, device=device),
+              # the per-call table times the calling thread's CPU: CPU tensors only
+              "calls": [] if device == "cuda" else bench.run_calls(
+                  calls=50 if args.quick else 300, repeats=3 if args.quick else 15)}
     if args.json:
         json.dump(report, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        print(f"whole models, {args.threads} threads, best of {repeats} repeats "
+        print(f"whole models on {device}, {args.threads} threads, best of {repeats} repeats "
               f"(ratio = converted / untouched)")
         print(bench.format_models(report["models"]))
-        print()
-        print(bench.format_calls(report["calls"]))
+        if report["calls"]:
+            print()
+            print(bench.format_calls(report["calls"]))
     return 0
