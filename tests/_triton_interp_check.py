@@ -238,7 +238,8 @@ class _Cuda:
 
 def check_public(op, shape, dtype, layout="contiguous"):
     """A public op through the dispatch (GPU backend, interpreted) vs torch: values,
-    gradients, running statistics."""
+    gradients, running statistics; the output modified in place first, as a ResNet's
+    ``hidden += residual`` does (autograd refuses that on a view made inside a Function)."""
     import normkit.functional as NF
 
     x, gen = _data(shape, dtype, 3, layout)
@@ -255,6 +256,7 @@ def check_public(op, shape, dtype, layout="contiguous"):
             y = lib.group_norm(xi, 2, w, b)
         else:
             y = lib.layer_norm(xi, (c,), w, b)
+        y.mul_(2.0)
         gy = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(dtype)
         grads = torch.autograd.grad((y.double() * gy.double()).sum(), (xi, w, b))
         runs.append((y, grads, rm, rv))

@@ -237,6 +237,7 @@ class TestCuda:
                  "batch_eval": lambda: lib.batch_norm(xi, rm + 0.5, rv * 2, w, b),
                  "instance": lambda: lib.instance_norm(xi, weight=w, bias=b),
                  "group": lambda: lib.group_norm(xi, groups, w, b)}[case]()
+            y.add_(0.0)            # in place, as ResNet's hidden += residual: not a view
             params = [xi, w] + ([b] if case != "rms" else [])
             outs.append((y, torch.autograd.grad((y.float() * gy.float()).sum(), params),
                          rm, rv))

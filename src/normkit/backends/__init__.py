@@ -108,7 +108,10 @@ class BackendPlan:
         view = self.grouping.view
         y, mean, rstd, var = self.backend.forward(x.reshape(view), self.grouping, weight, bias,
                                                   eps, self.center, mean, rstd)
-        return like(y.reshape(x.shape), x), mean, rstd, var
+        out = y.reshape(x.shape)
+        if out._base is not None:  # a view of the backend's output: an alias autograd does not
+            out = torch.ops.aten._unsafe_view(y, x.shape)   # track, so y += r stays allowed
+        return like(out, x), mean, rstd, var
 
     def backward(self, grad, x, mean, rstd, weight, needs):
         view = self.grouping.view

@@ -290,7 +290,7 @@ def _nc_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
     tl.store(PM2 + out, m2, mask=cmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_PER"])   # a tensor even when 1 (N_PER.to)
 def _nc_stats_kernel(PMean, PM2, Mean, MeanLo, Var, Rstd, N_PER, P, C, G, CG, S, s_per_part,
                      eps, BLOCK_G: tl.constexpr):
     """The grouping's statistics from the (N, P, C) partials of ``_nc_moments_kernel``, in
@@ -366,7 +366,7 @@ def _nc_grad_sums_kernel(G, X, Mean, Rstd, PSg, PSgx, C, S, CG, stat_sn, s_per_p
     tl.store(PSgx + out, sgx, mask=cmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_PER"])   # a tensor even when 1 (N_PER.to)
 def _nc_grad_stats_kernel(PSg, PSgx, W, CVar, CMean, N_PER, P, C, G, CG, S,
                           HAS_W: tl.constexpr, CENTER: tl.constexpr, BLOCK_G: tl.constexpr):
     """The group sums of the input gradient from the (N, P, C) partials of

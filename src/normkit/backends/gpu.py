@@ -287,13 +287,15 @@ def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
             float(eps), BLOCK_G=block_g)
     else:
         mean, rstd = mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
-    y3 = torch.empty_like(x3)                                      # keeps the layout
-    _launch_affine(x3, None, y3, grouping, (mean, mean_lo, rstd), _param(weight, c),
-                   _param(bias, c), None, tiles)
+    # the output in x's shape and layout, seen as (N, C, S) by the kernel: an output that
+    # is itself a view could not be modified in place by the caller (autograd refuses)
+    y = torch.empty_like(x)
+    _launch_affine(x3, None, _ncs(y, grouping), grouping, (mean, mean_lo, rstd),
+                   _param(weight, c), _param(bias, c), None, tiles)
     shape = grouping.stat_shape
     if var is not None:
         mean, rstd, var = mean.view(shape), rstd.view(shape), var.view(shape)
-    return y3.view(grouping.view), mean, rstd, var
+    return y, mean, rstd, var
 
 
 def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
@@ -322,10 +324,9 @@ def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
                 psg[0], psg[1], rstd if w is None else w, c_var_mean[0], c_var_mean[1], per,
                 parts, c, groups, cg, s, HAS_W=w is not None, CENTER=bool(center),
                 BLOCK_G=block_g)
-        dx3 = torch.empty_like(x3)
-        _launch_affine(x3, g3, dx3, grouping, (mean, None, rstd), w, None, c_var_mean, tiles,
-                       fixed=fixed)
-        dx = dx3.view(grouping.view)
+        dx = torch.empty_like(x)
+        _launch_affine(x3, g3, _ncs(dx, grouping), grouping, (mean, None, rstd), w, None,
+                       c_var_mean, tiles, fixed=fixed)
     pshape = grouping.param_view
     sums = psg.sum((1, 2)) if needs[1] or needs[2] else None      # second stage: 2 x C
     dw = sums[1].view(pshape) if needs[1] else None
@@ -340,9 +341,9 @@ def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
 def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
     if grouping.kind != "layer":
         return _nc_forward(x, grouping, weight, bias, eps, mean, rstd)
-    y, _, mean, rstd, var = rows_forward(x, None, weight, bias, eps, center)
+    y, _, mean, rstd, var = rows_forward(x, None, weight, bias, eps, center)   # x's shape
     shape = grouping.stat_shape
-    return y.view(grouping.view), mean.view(shape), rstd.view(shape), var.view(shape)
+    return y, mean.view(shape), rstd.view(shape), var.view(shape)
 
 
 def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
