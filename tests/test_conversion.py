@@ -101,3 +101,30 @@ def test_resnet_training_steps_then_eval_identical():
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     torch.testing.assert_close(converted(pixel_values=x).last_hidden_state,
                                original(pixel_values=x).last_hidden_state, atol=1e-10, rtol=1e-10)
+
+
+def test_revert_passes_bias_only_where_it_matters(monkeypatch):
+    """torch before 2.13 has no ``bias`` argument in BatchNorm, InstanceNorm, GroupNorm:
+    revert must not pass it for layers that have their bias (or no affine at all)."""
+    import inspect
+
+    def strict(cls):  # the torch 2.11 signature: no bias keyword
+        class Old(cls):
+            def __init__(self, *args, **kwargs):
+                if "bias" in kwargs:
+                    raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword "
+                                    f"argument 'bias'")
+                super().__init__(*args, **kwargs)
+        return Old
+
+    from normkit.conversion import swap
+
+    model = nn.Sequential(nn.BatchNorm2d(4), nn.GroupNorm(2, 4), nn.InstanceNorm2d(4))
+    normkit.convert(model)
+    monkeypatch.setattr(swap, "PAIRS", [(strict(src), dst, args) if src is not nn.LayerNorm
+                                        else (src, dst, args) for src, dst, args in swap.PAIRS])
+    normkit.revert(model)
+    assert [type(m).__name__ for m in model] == ["Old", "Old", "Old"]
+    assert "bias" in inspect.signature(nknn.BatchNorm2d.__init__).parameters
+    no_bias = nknn.BatchNorm2d(4, bias=False)
+    assert swap._bn_args(no_bias)["bias"] is False        # kept where it changes the layer

@@ -22,9 +22,15 @@ __all__ = ["PAIRS", "MODULE_STATE", "table", "carry_module_state", "twin", "torc
            "plain_subclass_reason", "swap_subclass", "revert_subclass"]
 
 
+def _bias(m, affine):
+    """``bias=False`` where it matters (affine without a bias), else nothing: torch before
+    2.13 has no ``bias`` argument in BatchNorm, InstanceNorm and GroupNorm."""
+    return {"bias": False} if affine and m.bias is None else {}
+
+
 def _bn_args(m):
     return dict(num_features=m.num_features, eps=m.eps, momentum=m.momentum, affine=m.affine,
-                track_running_stats=m.track_running_stats, bias=m.bias is not None)
+                track_running_stats=m.track_running_stats, **_bias(m, m.affine))
 
 
 def _ln_args(m):
@@ -34,7 +40,7 @@ def _ln_args(m):
 
 def _gn_args(m):
     return dict(num_groups=m.num_groups, num_channels=m.num_channels, eps=m.eps,
-                affine=m.affine, bias=m.bias is not None)
+                affine=m.affine, **_bias(m, m.affine))
 
 
 def _rms_args(m):
