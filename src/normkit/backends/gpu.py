@@ -46,6 +46,7 @@ NCHW and channels_last both read memory in order.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -90,8 +91,14 @@ def _cdiv(a: int, b: int) -> int:
 
 def _sms(device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index)
     return INTERPRETER_SMS
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index) -> int:
+    """Multiprocessors of a CUDA device (asked once: every launch sizes its grid by it)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _warps(block: int) -> int:
