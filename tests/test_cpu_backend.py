@@ -78,3 +78,41 @@ def test_cached_kernels_are_dropped_when_a_source_changes(tmp_path):
     assert _cache.drop_stale(cache, changed) == 2          # stale: removed
     assert not list(cache.glob("*.nb?"))
     assert _cache.drop_stale(cache, changed) == 0
+
+
+_HASH_RUN = r"""
+import hashlib, torch, normkit.functional as NF
+torch.manual_seed(0)
+out = []
+for op, shape in (("layer", (64, 1280)), ("rms", (16, 300)), ("batch", (8, 16, 33, 31)),
+                  ("group", (4, 32, 9, 9))):
+    x = torch.randn(shape, requires_grad=True)
+    c = shape[-1] if op in ("layer", "rms") else shape[1]
+    w = torch.randn(c, requires_grad=True)
+    y = {"layer": lambda: NF.layer_norm(x, (c,), w), "rms": lambda: NF.rms_norm(x, (c,), w),
+         "batch": lambda: NF.batch_norm(x, None, None, w, training=True),
+         "group": lambda: NF.group_norm(x, 8, w)}[op]()
+    y.backward(torch.randn_like(y))
+    parts = (y.detach(), x.grad, w.grad)
+    out.append(op + ":" + hashlib.sha1(b"".join(t.numpy().tobytes() for t in parts)).hexdigest())
+print(" ".join(out))
+"""
+
+
+def test_kernels_round_the_same_compiled_or_loaded_from_the_cache(tmp_path):
+    """A process that compiles the kernels and one that loads them from numba's disk cache
+    give the same bits (forward and backward of each family). They did not while a helper
+    with a re-associable reduction was compiled on its own as well as inlined in a cached
+    caller (``cpu.rows.JIT``; benchmarks/cache_rounding.py)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NORMKIT_NATIVE="0")
+    runs = [subprocess.run([sys.executable, "-c", _HASH_RUN], env=env, capture_output=True,
+                           text=True, timeout=600) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    compiled, loaded = (r.stdout.split() for r in runs)
+    assert list(tmp_path.rglob("*.nbc")), "the first run cached nothing"
+    assert compiled == loaded

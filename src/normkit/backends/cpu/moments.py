@@ -29,7 +29,7 @@ __all__ = ["cl_range_moments", "fold_lanes", "merge_channels", "plane_merge", "t
 
 # ---- rows and NCHW planes ------------------------------------------------------------
 
-@register_jitable
+@register_jitable(inline="always")   # inlined: see cpu.rows.JIT
 def two_pass(xs, x0, inv_n, sdt, center):
     """(mean - x0, M2) of a row or plane xs: (n,) by two-pass, in the dtype of the array
     sdt (xs stays in L1 for the second pass); x0 is a shift near the data (its first
@@ -47,7 +47,7 @@ def two_pass(xs, x0, inv_n, sdt, center):
     return mean_x0, q
 
 
-@register_jitable
+@register_jitable(inline="always")   # inlined: see cpu.rows.JIT
 def _plane_shifted(xb, x0, mean_x0, inv_s, sdt):
     """(mean - x0, M2) of the plane xb: (S,) in one pass of the sums of d = x - k and
     d*d, with the shift k = x0 + mean_x0 (the running mean of the planes before it)."""
@@ -62,7 +62,7 @@ def _plane_shifted(xb, x0, mean_x0, inv_s, sdt):
     return (np.float64(k) - x0) + block_mean, q - s * block_mean
 
 
-@register_jitable
+@register_jitable(inline="always")   # inlined: see cpu.rows.JIT
 def plane_merge(xb, x0, inv_s, sdt, count, mean_x0, m2):
     """(count, mean - x0, M2) merged with the plane xb: (S,) (float64): the first plane
     (count 0) by two-pass, the others in one pass shifted by the running mean."""

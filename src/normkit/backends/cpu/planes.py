@@ -54,7 +54,7 @@ def _plane_ahead(a, n, c, ahead, first, last):
     return a[f // a.shape[1], f % a.shape[1]]
 
 
-@register_jitable
+@register_jitable(inline="always")   # inlined: see cpu.rows.JIT
 def _plane_sums(gb, xb, mu, rs, sdt):
     """(sum(g), sum(g * xhat)) over one plane, xhat = (x - mu) * rs."""
     sg = like(sdt, 0.0)
@@ -66,7 +66,7 @@ def _plane_sums(gb, xb, mu, rs, sdt):
     return sg, sgx
 
 
-@register_jitable
+@register_jitable(inline="always")   # inlined: see cpu.rows.JIT
 def _unit_coefs(g, x, w, u, groups, stats, flags, sums):
     """The unit ``u`` of Instance/GroupNorm backward: ``(n, c0, cg, mu, rs, c_var,
     c_mean)`` for its planes (n, c0 .. c0 + cg) of g, x: (N, C, S), its per-plane sums

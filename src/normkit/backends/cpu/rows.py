@@ -32,7 +32,13 @@ from normkit.backends.cpu.half import accumulate, like, load
 from normkit.backends.cpu.moments import two_pass
 from normkit.backends.cpu.stores import fence, store_affine_per_element, store_dx_rows_planes
 
-JIT = dict(cache=True, nogil=True)
+# inline="always": each kernel, and each helper with a re-associable reduction
+# (``half.accumulate``), is inlined into its caller in numba's IR, so that every entry is
+# one compilation. A function compiled on its own and also linked into a caller exists
+# twice, optimized in two contexts; with re-association the two round differently, and
+# which one runs depended on whether the process compiled the kernels or loaded them from
+# the cache (benchmarks/cache_rounding.py, docs/study.md).
+JIT = dict(cache=True, nogil=True, inline="always")
 
 __all__ = ["rows_backward", "rows_forward"]
 
