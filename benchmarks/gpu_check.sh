@@ -2,8 +2,11 @@
 # On a machine with a CUDA GPU and triton: the CUDA correctness tests of the Triton kernels
 # (tests/test_gpu_kernels.py::TestCuda, through the public ops, against torch), then
 # `normkit bench --device cuda` (normkit vs torch vs Liger-Kernel if installed, GB/s and
-# fraction of the memory bandwidth). Budget: under 7 minutes (240 s tests, 150 s bench).
-# Writes benchmarks/results/gpu-<stamp>-{device.csv,tests.txt,bench.json,bench.txt}.
+# fraction of the memory bandwidth), benchmarks/gpu_profile.py (host and device time per
+# call) and `normkit bench --models --device cuda` (converted against untouched models).
+# Budget: under 10 minutes (240 s tests, 150 s bench, 100 s profile, 200 s models; about
+# 3.5 minutes on an H200). Writes benchmarks/results/gpu-<stamp>-{device.csv,tests.txt,
+# bench.json,bench.txt,profile.txt,models.txt}.
 #   usage: benchmarks/gpu_check.sh            (PYTHON=... to choose the interpreter)
 set -u
 cd "$(dirname "$0")/.."
@@ -38,5 +41,13 @@ if [ "$bench_rc" -eq 0 ]; then
 print(format_table(json.load(open(sys.argv[1]))))" "$out/gpu-$stamp-bench.json" \
         | tee "$out/gpu-$stamp-bench.txt"
 fi
-echo "gpu_check: tests rc=$tests_rc, bench rc=$bench_rc; results in $out/gpu-$stamp-*"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+timeout 100 "$PY" benchmarks/gpu_profile.py > "$out/gpu-$stamp-profile.txt" 2>&1
+profile_rc=$?
+timeout 200 "$PY" -m normkit bench --models resnet18 resnet18-small study-cnn-b2 \
+    study-cnn-b32 siglip llama --device cuda --repeats 3 --no-progress \
+    > "$out/gpu-$stamp-models.txt" 2>&1
+models_rc=$?
+tail -n 13 "$out/gpu-$stamp-models.txt"
+echo "gpu_check: tests rc=$tests_rc, bench rc=$bench_rc, profile rc=$profile_rc," \
+     "models rc=$models_rc; results in $out/gpu-$stamp-*"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$profile_rc" -eq 0 ] && [ "$models_rc" -eq 0 ]
