@@ -3,10 +3,11 @@
 # (tests/test_gpu_kernels.py::TestCuda, through the public ops, against torch), then
 # `normkit bench --device cuda` (normkit vs torch vs Liger-Kernel if installed, GB/s and
 # fraction of the memory bandwidth), benchmarks/gpu_profile.py (host and device time per
-# call) and `normkit bench --models --device cuda` (converted against untouched models).
+# call), benchmarks/gpu_launch_cost.py (what one Triton launch costs the host) and
+# `normkit bench --models --device cuda` (converted against untouched models).
 # Budget: under 10 minutes (240 s tests, 150 s bench, 100 s profile, 200 s models; about
 # 3.5 minutes on an H200). Writes benchmarks/results/gpu-<stamp>-{device.csv,tests.txt,
-# bench.json,bench.txt,profile.txt,models.txt}.
+# bench.json,bench.txt,profile.txt,launch.txt,models.txt}.
 #   usage: benchmarks/gpu_check.sh            (PYTHON=... to choose the interpreter)
 set -u
 cd "$(dirname "$0")/.."
@@ -43,6 +44,7 @@ print(format_table(json.load(open(sys.argv[1]))))" "$out/gpu-$stamp-bench.json" 
 fi
 timeout 100 "$PY" benchmarks/gpu_profile.py > "$out/gpu-$stamp-profile.txt" 2>&1
 profile_rc=$?
+timeout 60 "$PY" benchmarks/gpu_launch_cost.py 2>&1 | tee "$out/gpu-$stamp-launch.txt"
 timeout 200 "$PY" -m normkit bench --models resnet18 resnet18-small study-cnn-b2 \
     study-cnn-b32 siglip llama --device cuda --repeats 3 --no-progress \
     > "$out/gpu-$stamp-models.txt" 2>&1
