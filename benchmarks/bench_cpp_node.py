@@ -170,11 +170,11 @@ def study_cnn_steps(ext):
     print("study CNN step, ms (ratio to torch.nn), 2 threads")
     for batch in (2, 32):
         torch.manual_seed(0)
-        plain = models._study_cnn()
+        plain = models.study_cnn()
         variants = {"torch.nn": plain, "prototype": _swap(copy.deepcopy(plain), cls),
                     "normkit.convert": normkit.convert(copy.deepcopy(plain)).model}
-        x = models._images(batch, 8, 1)
-        for mode, step in (("train", models._train_step), ("infer", models._infer_step)):
+        x = models.images(batch, 8, 1)
+        for mode, step in (("train", models.train_step), ("infer", models.infer_step)):
             times = {k: float("inf") for k in variants}
             for _ in range(3):                                     # interleaved rounds
                 for k, m in variants.items():

@@ -24,7 +24,8 @@ import time
 
 import torch
 
-__all__ = ["MODELS", "CALLS", "llm", "run_models", "run_calls", "format_models", "format_calls"]
+__all__ = ["MODELS", "CALLS", "llm", "study_cnn", "images", "train_step", "infer_step",
+           "run_models", "run_calls", "format_models", "format_calls"]
 
 
 # ---------------------------------------------------------------------------- models
@@ -46,7 +47,7 @@ def _resnet18():
     return transformers.ResNetModel(config)
 
 
-def _study_cnn():
+def study_cnn():
     from normkit import revert
     from normkit.study.model import SmallCNN
 
@@ -71,7 +72,7 @@ def llm(family, hidden=1024, layers=2):
     return model_cls(config)
 
 
-def _images(batch, size, channels=3):
+def images(batch, size, channels=3):
     return torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(0))
 
 
@@ -82,15 +83,15 @@ def _tokens(batch, seq):
 #: name -> (description, build, make input, modes); the table of issue #19 and the LLMs of #23
 MODELS = {
     "siglip": ("SiglipVisionModel, ViT-B/16 config, 4 layers, batch 8, 224 px",
-               _siglip, lambda: _images(8, 224), ("train", "infer")),
+               _siglip, lambda: images(8, 224), ("train", "infer")),
     "resnet18": ("ResNetModel, ResNet-18 config, batch 16, 224 px",
-                 _resnet18, lambda: _images(16, 224), ("train", "infer")),
+                 _resnet18, lambda: images(16, 224), ("train", "infer")),
     "resnet18-small": ("ResNetModel, ResNet-18 config, batch 2, 64 px",
-                       _resnet18, lambda: _images(2, 64), ("train", "infer")),
+                       _resnet18, lambda: images(2, 64), ("train", "infer")),
     "study-cnn-b2": ("the study's digits CNN (8x8, 16-64 channels, BatchNorm2d), batch 2",
-                     _study_cnn, lambda: _images(2, 8, 1), ("train", "infer")),
+                     study_cnn, lambda: images(2, 8, 1), ("train", "infer")),
     "study-cnn-b32": ("the study's digits CNN, batch 32",
-                      _study_cnn, lambda: _images(32, 8, 1), ("train", "infer")),
+                      study_cnn, lambda: images(32, 8, 1), ("train", "infer")),
     "llama": ("LlamaForCausalLM, hidden 1024, 2 layers, seq 512, batch 2",
               lambda: llm("llama"), lambda: _tokens(2, 512), ("train",)),
     "gemma": ("GemmaForCausalLM, hidden 1024, 2 layers, seq 512, batch 2",
@@ -107,13 +108,13 @@ def _output(model, x):
     return out.float().square().mean()
 
 
-def _train_step(model, opt, x):
+def train_step(model, opt, x):
     opt.zero_grad(set_to_none=True)
     _output(model, x).backward()
     opt.step()
 
 
-def _infer_step(model, opt, x):
+def infer_step(model, opt, x):
     with torch.no_grad():
         _output(model, x)
 
@@ -148,7 +149,7 @@ def measure_model(name, mode, repeats=5, min_seconds=0.3, device="cpu"):
     plain, converted, count = _pair(build)
     plain, converted = plain.to(device), converted.to(device)
     x = make_input().to(device)
-    fn = _train_step if mode == "train" else _infer_step
+    fn = train_step if mode == "train" else infer_step
     pair = {"untouched": plain, "converted": converted}
     opts = {}
     for key, model in pair.items():
