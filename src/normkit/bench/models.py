@@ -48,6 +48,7 @@ def _resnet18():
 
 
 def study_cnn():
+    """The study's digits CNN with torch.nn BatchNorm2d layers (the untouched model)."""
     from normkit import revert
     from normkit.study.model import SmallCNN
 
@@ -73,6 +74,7 @@ def llm(family, hidden=1024, layers=2):
 
 
 def images(batch, size, channels=3):
+    """A fixed random batch of images, (batch, channels, size, size)."""
     return torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(0))
 
 
@@ -109,12 +111,14 @@ def _output(model, x):
 
 
 def train_step(model, opt, x):
+    """Forward, loss (``_output``), backward and one ``opt`` step."""
     opt.zero_grad(set_to_none=True)
     _output(model, x).backward()
     opt.step()
 
 
 def infer_step(model, opt, x):
+    """A no-grad forward (``opt`` unused: the same signature as ``train_step``)."""
     with torch.no_grad():
         _output(model, x)
 
