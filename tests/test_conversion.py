@@ -128,3 +128,27 @@ def test_revert_passes_bias_only_where_it_matters(monkeypatch):
     assert "bias" in inspect.signature(nknn.BatchNorm2d.__init__).parameters
     no_bias = nknn.BatchNorm2d(4, bias=False)
     assert swap._bn_args(no_bias)["bias"] is False        # kept where it changes the layer
+
+
+class _LooksCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA (this machine has no GPU)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_convert_warns_that_cuda_models_run_slower():
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    model.register_buffer("marker", torch.zeros(1).as_subclass(_LooksCuda))
+    with pytest.warns(UserWarning, match="slower than with torch.nn"):
+        normkit.convert(model)
+
+
+def test_convert_of_a_cpu_model_does_not_warn():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        normkit.convert(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8)))
+        normkit.convert(nn.Sequential(nn.Linear(4, 8)))          # nothing to swap

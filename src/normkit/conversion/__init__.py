@@ -27,6 +27,9 @@ tensors, routed and fused ones get their class back.
 
 from __future__ import annotations
 
+import itertools
+import warnings
+
 from torch import nn
 
 import normkit.nn as nknn
@@ -177,7 +180,17 @@ def convert(model: nn.Module, *, fuse_residual: bool = False) -> ConversionRepor
     report = _walk(model, _convert_one)
     if fuse_residual:
         _fuse_residual(report)
+    if (report.swapped or report.routed) and _on_cuda(report.model):
+        warnings.warn(
+            "normkit.convert: this model is on CUDA, where each normkit norm call is bound "
+            "by the host's cost of launching its Triton kernels from Python: converted models "
+            "measured 1.1-3.8x slower than with torch.nn on an H200 (docs/gpu.md). For speed "
+            "on a GPU keep torch.nn's norms (normkit.revert(model)) for now.", stacklevel=2)
     return report
+
+
+def _on_cuda(model) -> bool:
+    return any(t.is_cuda for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def revert(model: nn.Module) -> ConversionReport:
