@@ -9,7 +9,9 @@ theoretical peak (``2 x memory clock x bus width``, when torch reports them) and
 a plain ``copy_`` reaches on this device; both are printed, with each provider's GB/s as a
 fraction of the peak (of the copy's when the peak is unknown).
 
-Nothing here has been run on a GPU by its authors: see ``docs/gpu.md``.
+First run on an H200 on 2026-12-04 (docs/gpu.md, "First GPU run"): ``do_bench`` times the
+stream, so for normkit's calls, which are host-bound, the figures are the host's pace;
+``benchmarks/gpu_profile.py`` separates host and device time.
 """
 
 from __future__ import annotations
