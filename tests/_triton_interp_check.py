@@ -70,8 +70,9 @@ def _data(shape, dtype, seed, layout="contiguous", offset=0.0):
 
 
 def check_norm(grouping, shape, dtype, affine, center=True, layout="contiguous",
-               fixed=False, seed=0, offset=0.0):
-    """Backend forward/backward vs ``reference.normalize_*`` for one grouping."""
+               fixed=False, seed=0, offset=0.0, grad_layout="contiguous"):
+    """Backend forward/backward vs ``reference.normalize_*`` for one grouping; the
+    gradient is contiguous, or in x's layout with ``grad_layout="same"``."""
     x, gen = _data(shape, dtype, seed, layout, offset)
     xv = x.view(grouping.view)
     c = grouping.view[-1] if grouping.kind == "layer" else shape[1]
@@ -97,8 +98,8 @@ def check_norm(grouping, shape, dtype, affine, center=True, layout="contiguous",
         close(rs, cache["rstd"], torch.float32, "rstd")
         close(var, ref_var, torch.float32, "var")
     g = torch.randn(shape, generator=gen).to(dtype)
-    if layout != "contiguous":                                     # gradient in another layout
-        g = g.contiguous()
+    if grad_layout == "same":
+        g = torch.empty_like(x).copy_(g)
     gv = g.view(grouping.view)
     needs = (True, affine, affine and center)
     dx, dw, db = gpu.backward(gv, xv, m, rs, w, grouping, center, fixed, needs)
@@ -203,6 +204,13 @@ def cases_units():
          lambda: check_norm(G.instance(s5), s5, f32, True, layout="channels_last_3d")),
         ("instance 3x4x7 fp32 eval (fixed stats)", False,
          lambda: check_norm(G.instance(s3), s3, f32, True, fixed=True)),
+        ("batch 37x5 fp32 (N, C), small tiles", True,
+         lambda: check_norm(G.batch((37, 5)), (37, 5), f32, True, offset=20.0)),
+        ("batch 37x5 bf16 (N, C) eval (fixed stats)", False,
+         lambda: check_norm(G.batch((37, 5)), (37, 5), bf16, True, fixed=True)),
+        ("batch 2x3x5x5 fp32 channels_last, gradient channels_last, small tiles", True,
+         lambda: check_norm(G.batch(s4), s4, f32, True, layout="channels_last",
+                            grad_layout="same")),
         ("group(2) 2x6x5x5 fp32 contiguous, small tiles", True,
          lambda: check_norm(G.group((2, 6, 5, 5), 2), (2, 6, 5, 5), f32, True)),
         ("group(3) 2x6x5x5 fp32 channels_last", False,

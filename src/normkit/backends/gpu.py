@@ -117,6 +117,19 @@ def _ncs(xv, grouping):
         return None
 
 
+def _merge_batch(t3, grouping):
+    """The (N, C, S) view ``t3`` as the ``_nc_*`` kernels walk it. BatchNorm's statistics
+    take N and S alike, so where samples and positions form one axis of memory
+    (channels_last, and (N, C) BatchNorm1d, where S = 1) it is (1, C, N * S): the positions
+    of the whole batch split into parts across programs, a few partials per channel,
+    instead of one per sample and a serial merge over N of them."""
+    n, c, s = t3.shape
+    step = t3.stride(0) if s == 1 else t3.stride(2)   # along the merged axis
+    if grouping.kind == "batch" and n > 1 and t3.stride(0) == s * step:
+        return t3.as_strided((1, c, n * s), (n * s * step, t3.stride(1), step))
+    return t3
+
+
 def supports(x, grouping, center=True, fixed=False) -> bool:
     if (x.device.type != "cuda" or x.dtype not in _DTYPES
             or not fused_kernels_cover(x, grouping, center, fixed)):
@@ -272,7 +285,7 @@ def _param(p, c):
 
 
 def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
-    x3 = _ncs(x, grouping)
+    x3 = _merge_batch(_ncs(x, grouping), grouping)
     n, c, s = x3.shape
     dev = x.device
     tiles = _tiles(x3)
@@ -297,8 +310,8 @@ def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
     # the output in x's shape and layout, seen as (N, C, S) by the kernel: an output that
     # is itself a view could not be modified in place by the caller (autograd refuses)
     y = torch.empty_like(x)
-    _launch_affine(x3, None, _ncs(y, grouping), grouping, (mean, mean_lo, rstd),
-                   _param(weight, c), _param(bias, c), None, tiles)
+    _launch_affine(x3, None, _merge_batch(_ncs(y, grouping), grouping), grouping,
+                   (mean, mean_lo, rstd), _param(weight, c), _param(bias, c), None, tiles)
     shape = grouping.stat_shape
     if var is not None:
         mean, rstd, var = mean.view(shape), rstd.view(shape), var.view(shape)
@@ -307,9 +320,15 @@ def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
 
 def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     x3 = _ncs(x, grouping)
+    g3 = _ncs(grad, grouping)
+    if g3 is None:                               # strides that do not view as (N, C, S)
+        g3 = grad.reshape(x3.shape)
+    xm, gm = _merge_batch(x3, grouping), _merge_batch(g3, grouping)
+    merged = xm.shape == gm.shape                # both, or neither, merge N and S
+    if merged:
+        x3, g3 = xm, gm
     n, c, s = x3.shape
     dev = x.device
-    g3 = grad.reshape(n, c, s)
     tiles = _tiles(x3)
     block_c, block_s, parts, spp = tiles
     mean, rstd = mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
@@ -331,9 +350,10 @@ def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
                 psg[0], psg[1], rstd if w is None else w, c_var_mean[0], c_var_mean[1], per,
                 parts, c, groups, cg, s, HAS_W=w is not None, CENTER=bool(center),
                 BLOCK_G=block_g)
-        dx = torch.empty_like(x)
-        _launch_affine(x3, g3, _ncs(dx, grouping), grouping, (mean, None, rstd), w, None,
-                       c_var_mean, tiles, fixed=fixed)
+        dx = torch.empty_like(x)                 # x's strides: viewed as x3 is
+        dx3 = _merge_batch(_ncs(dx, grouping), grouping) if merged else _ncs(dx, grouping)
+        _launch_affine(x3, g3, dx3, grouping, (mean, None, rstd), w, None, c_var_mean, tiles,
+                       fixed=fixed)
     pshape = grouping.param_view
     sums = psg.sum((1, 2)) if needs[1] or needs[2] else None      # second stage: 2 x C
     dw = sums[1].view(pshape) if needs[1] else None
