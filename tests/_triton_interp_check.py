@@ -213,6 +213,8 @@ def cases_units():
                             grad_layout="same")),
         ("group(2) 2x6x5x5 fp32 contiguous, small tiles", True,
          lambda: check_norm(G.group((2, 6, 5, 5), 2), (2, 6, 5, 5), f32, True)),
+        ("group(1) 2x6x5x5 fp32 one group of all channels, small tiles", True,
+         lambda: check_norm(G.group((2, 6, 5, 5), 1), (2, 6, 5, 5), f32, True, offset=10.0)),
         ("group(3) 2x6x5x5 fp32 channels_last", False,
          lambda: check_norm(G.group((2, 6, 5, 5), 3), (2, 6, 5, 5), f32, True,
                             layout="channels_last", offset=50.0)),

@@ -292,7 +292,7 @@ def _nc_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
 
 @triton.jit(do_not_specialize=["N_PER"])   # a tensor even when 1 (N_PER.to)
 def _nc_stats_kernel(PMean, PM2, Mean, MeanLo, Var, Rstd, N_PER, P, C, G, CG, S, s_per_part,
-                     eps, BLOCK_G: tl.constexpr):
+                     eps, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr):
     """The grouping's statistics from the (N, P, C) partials of ``_nc_moments_kernel``, in
     float64: program (a, gb) merges, for the groups ``[gb * BLOCK_G, ...)`` of ``CG``
     channels, the partials of samples ``[a * N_PER, ...)`` (BatchNorm: N_PER = N, one
@@ -300,29 +300,36 @@ def _nc_stats_kernel(PMean, PM2, Mean, MeanLo, Var, Rstd, N_PER, P, C, G, CG, S,
 
         mean = sum(n_i mean_i) / n,   M2 = sum(M2_i + n_i (mean_i - mean)^2)
 
-    ``n_i`` is the part's count of positions. Writes (A, G) fp32: the mean as hi
-    (``Mean``) + lo (``MeanLo``), the variance and ``rstd = 1 / sqrt(var + eps)``."""
+    ``n_i`` is the part's count of positions. A group's channels are read BLOCK_J at a
+    time, (BLOCK_G x BLOCK_J) tiles summed along the channels. Writes (A, G) fp32: the
+    mean as hi (``Mean``) + lo (``MeanLo``), the variance and ``rstd = 1 / sqrt(var +
+    eps)``."""
     a = tl.program_id(0)
     gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)      # BLOCK_G
     gmask = gs < G
+    js = tl.arange(0, BLOCK_J)                                     # BLOCK_J
     n0 = a * N_PER
     total = N_PER.to(tl.float64) * S * CG
     acc = tl.zeros([BLOCK_G], dtype=tl.float64)
     for n in range(n0, n0 + N_PER):
         for p in range(0, P):
             cnt = tl.minimum(tl.maximum(S - p * s_per_part, 0), s_per_part).to(tl.float64)
-            for j in range(0, CG):
-                pm = tl.load(PMean + (n * P + p) * C + gs * CG + j, mask=gmask, other=0.0)
-                acc += cnt * pm
+            for j0 in range(0, CG, BLOCK_J):
+                offs = (n * P + p) * C + gs[:, None] * CG + (j0 + js)[None, :]
+                mask = gmask[:, None] & ((j0 + js) < CG)[None, :]
+                acc += cnt * tl.sum(tl.load(PMean + offs, mask=mask, other=0.0), axis=1)
     mean = acc / total
     m2 = tl.zeros([BLOCK_G], dtype=tl.float64)
     for n in range(n0, n0 + N_PER):
         for p in range(0, P):
             cnt = tl.minimum(tl.maximum(S - p * s_per_part, 0), s_per_part).to(tl.float64)
-            for j in range(0, CG):
-                offs = (n * P + p) * C + gs * CG + j
-                d = tl.load(PMean + offs, mask=gmask, other=0.0) - mean
-                m2 += tl.load(PM2 + offs, mask=gmask, other=0.0).to(tl.float64) + cnt * d * d
+            for j0 in range(0, CG, BLOCK_J):
+                offs = (n * P + p) * C + gs[:, None] * CG + (j0 + js)[None, :]
+                mask = gmask[:, None] & ((j0 + js) < CG)[None, :]
+                d = tl.where(mask, tl.load(PMean + offs, mask=mask, other=0.0) - mean[:, None],
+                             0.0)
+                q = tl.load(PM2 + offs, mask=mask, other=0.0).to(tl.float64) + cnt * d * d
+                m2 += tl.sum(q, axis=1)
     var = m2 / total
     hi = mean.to(tl.float32)
     out = a * G + gs
@@ -368,7 +375,8 @@ def _nc_grad_sums_kernel(G, X, Mean, Rstd, PSg, PSgx, C, S, CG, stat_sn, s_per_p
 
 @triton.jit(do_not_specialize=["N_PER"])   # a tensor even when 1 (N_PER.to)
 def _nc_grad_stats_kernel(PSg, PSgx, W, CVar, CMean, N_PER, P, C, G, CG, S,
-                          HAS_W: tl.constexpr, CENTER: tl.constexpr, BLOCK_G: tl.constexpr):
+                          HAS_W: tl.constexpr, CENTER: tl.constexpr, BLOCK_G: tl.constexpr,
+                          BLOCK_J: tl.constexpr):
     """The group sums of the input gradient from the (N, P, C) partials of
     ``_nc_grad_sums_kernel``, in float64, over the tiling of ``_nc_stats_kernel``::
 
@@ -378,18 +386,23 @@ def _nc_grad_stats_kernel(PSg, PSgx, W, CVar, CMean, N_PER, P, C, G, CG, S,
     a = tl.program_id(0)
     gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     gmask = gs < G
+    js = tl.arange(0, BLOCK_J)
     n0 = a * N_PER
     sv = tl.zeros([BLOCK_G], dtype=tl.float64)
     sm = tl.zeros([BLOCK_G], dtype=tl.float64)
-    for j in range(0, CG):
-        w = tl.full([BLOCK_G], 1.0, tl.float64)
+    for j0 in range(0, CG, BLOCK_J):
+        chans = gs[:, None] * CG + (j0 + js)[None, :]              # BLOCK_G, BLOCK_J
+        mask = gmask[:, None] & ((j0 + js) < CG)[None, :]
+        w = tl.full([BLOCK_G, BLOCK_J], 1.0, tl.float64)
         if HAS_W:
-            w = tl.load(W + gs * CG + j, mask=gmask, other=0.0).to(tl.float64)
+            w = tl.load(W + chans, mask=mask, other=0.0).to(tl.float64)
         for n in range(n0, n0 + N_PER):
             for p in range(0, P):
-                offs = (n * P + p) * C + gs * CG + j
-                sv += w * tl.load(PSgx + offs, mask=gmask, other=0.0).to(tl.float64)
-                sm += w * tl.load(PSg + offs, mask=gmask, other=0.0).to(tl.float64)
+                offs = (n * P + p) * C + chans
+                sv += tl.sum(w * tl.load(PSgx + offs, mask=mask, other=0.0).to(tl.float64),
+                             axis=1)
+                sm += tl.sum(w * tl.load(PSg + offs, mask=mask, other=0.0).to(tl.float64),
+                             axis=1)
     total = N_PER.to(tl.float64) * S * CG
     out = a * G + gs
     tl.store(CVar + out, (sv / total).to(tl.float32), mask=gmask)
