@@ -36,8 +36,9 @@ GRAD_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2.5e-1, 5e-2),
             torch.float16: (3e-2, 1e-2)}
 DEFAULTS = dict(ROW_BLOCK_MAX=gpu.ROW_BLOCK_MAX, TILE_MAX=gpu.TILE_MAX,
                 CL_BLOCK_C=gpu.CL_BLOCK_C, STAT_BLOCK_MAX=gpu.STAT_BLOCK_MAX,
-                INTERPRETER_SMS=gpu.INTERPRETER_SMS)
-SMALL = dict(ROW_BLOCK_MAX=32, TILE_MAX=16, CL_BLOCK_C=4, STAT_BLOCK_MAX=2, INTERPRETER_SMS=4)
+                STAT_TILE_MAX=gpu.STAT_TILE_MAX, INTERPRETER_SMS=gpu.INTERPRETER_SMS)
+SMALL = dict(ROW_BLOCK_MAX=32, TILE_MAX=16, CL_BLOCK_C=4, STAT_BLOCK_MAX=2, STAT_TILE_MAX=4,
+             INTERPRETER_SMS=4)
 
 
 def _blocks(small):

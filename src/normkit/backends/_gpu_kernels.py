@@ -290,9 +290,21 @@ def _nc_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
     tl.store(PM2 + out, m2, mask=cmask)
 
 
+@triton.jit
+def _partial_rows(t, n0, P, C, CG, s_per_part, S):
+    """Offsets (without the group's channel base) and position counts of the flat
+    reduction index ``t`` over (sample, part, channel of the group): ``t = ((n - n0) * P
+    + p) * CG + j`` -> ``(n * P + p) * C + j`` and the part's count of positions."""
+    j = t % CG
+    p = (t // CG) % P
+    n = n0 + t // (CG * P)
+    cnt = tl.minimum(tl.maximum(S - p * s_per_part, 0), s_per_part).to(tl.float64)
+    return (n.to(tl.int64) * P + p) * C + j, cnt
+
+
 @triton.jit(do_not_specialize=["N_PER"])   # a tensor even when 1 (N_PER.to)
 def _nc_stats_kernel(PMean, PM2, Mean, MeanLo, Var, Rstd, N_PER, P, C, G, CG, S, s_per_part,
-                     eps, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr):
+                     eps, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
     """The grouping's statistics from the (N, P, C) partials of ``_nc_moments_kernel``, in
     float64: program (a, gb) merges, for the groups ``[gb * BLOCK_G, ...)`` of ``CG``
     channels, the partials of samples ``[a * N_PER, ...)`` (BatchNorm: N_PER = N, one
@@ -300,36 +312,35 @@ def _nc_stats_kernel(PMean, PM2, Mean, MeanLo, Var, Rstd, N_PER, P, C, G, CG, S,
 
         mean = sum(n_i mean_i) / n,   M2 = sum(M2_i + n_i (mean_i - mean)^2)
 
-    ``n_i`` is the part's count of positions. A group's channels are read BLOCK_J at a
-    time, (BLOCK_G x BLOCK_J) tiles summed along the channels. Writes (A, G) fp32: the
-    mean as hi (``Mean``) + lo (``MeanLo``), the variance and ``rstd = 1 / sqrt(var +
-    eps)``."""
+    ``n_i`` is the part's count of positions. The partials of a group -- samples x parts
+    x its channels, ``T = N_PER * P * CG`` of them -- are read BLOCK_T at a time in
+    (BLOCK_T x BLOCK_G) tiles and summed along T, so no count of samples (BatchNorm) or
+    channels (GroupNorm(1, C)) becomes a long serial loop. Writes (A, G) fp32: the mean as
+    hi (``Mean``) + lo (``MeanLo``), the variance and ``rstd = 1 / sqrt(var + eps)``."""
     a = tl.program_id(0)
     gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)      # BLOCK_G
     gmask = gs < G
-    js = tl.arange(0, BLOCK_J)                                     # BLOCK_J
     n0 = a * N_PER
+    t_end = N_PER * P * CG
     total = N_PER.to(tl.float64) * S * CG
     acc = tl.zeros([BLOCK_G], dtype=tl.float64)
-    for n in range(n0, n0 + N_PER):
-        for p in range(0, P):
-            cnt = tl.minimum(tl.maximum(S - p * s_per_part, 0), s_per_part).to(tl.float64)
-            for j0 in range(0, CG, BLOCK_J):
-                offs = (n * P + p) * C + gs[:, None] * CG + (j0 + js)[None, :]
-                mask = gmask[:, None] & ((j0 + js) < CG)[None, :]
-                acc += cnt * tl.sum(tl.load(PMean + offs, mask=mask, other=0.0), axis=1)
+    for t0 in range(0, t_end, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)                             # BLOCK_T
+        rows, cnt = _partial_rows(t, n0, P, C, CG, s_per_part, S)
+        offs = rows[:, None] + (gs * CG)[None, :]                  # BLOCK_T, BLOCK_G
+        mask = (t < t_end)[:, None] & gmask[None, :]
+        pm = tl.load(PMean + offs, mask=mask, other=0.0)
+        acc += tl.sum(cnt[:, None] * pm, axis=0)
     mean = acc / total
     m2 = tl.zeros([BLOCK_G], dtype=tl.float64)
-    for n in range(n0, n0 + N_PER):
-        for p in range(0, P):
-            cnt = tl.minimum(tl.maximum(S - p * s_per_part, 0), s_per_part).to(tl.float64)
-            for j0 in range(0, CG, BLOCK_J):
-                offs = (n * P + p) * C + gs[:, None] * CG + (j0 + js)[None, :]
-                mask = gmask[:, None] & ((j0 + js) < CG)[None, :]
-                d = tl.where(mask, tl.load(PMean + offs, mask=mask, other=0.0) - mean[:, None],
-                             0.0)
-                q = tl.load(PM2 + offs, mask=mask, other=0.0).to(tl.float64) + cnt * d * d
-                m2 += tl.sum(q, axis=1)
+    for t0 in range(0, t_end, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        rows, cnt = _partial_rows(t, n0, P, C, CG, s_per_part, S)
+        offs = rows[:, None] + (gs * CG)[None, :]
+        mask = (t < t_end)[:, None] & gmask[None, :]
+        d = tl.where(mask, tl.load(PMean + offs, mask=mask, other=0.0) - mean[None, :], 0.0)
+        q = tl.load(PM2 + offs, mask=mask, other=0.0).to(tl.float64) + cnt[:, None] * d * d
+        m2 += tl.sum(q, axis=0)
     var = m2 / total
     hi = mean.to(tl.float32)
     out = a * G + gs
@@ -375,10 +386,10 @@ def _nc_grad_sums_kernel(G, X, Mean, Rstd, PSg, PSgx, C, S, CG, stat_sn, s_per_p
 
 @triton.jit(do_not_specialize=["N_PER"])   # a tensor even when 1 (N_PER.to)
 def _nc_grad_stats_kernel(PSg, PSgx, W, CVar, CMean, N_PER, P, C, G, CG, S,
-                          HAS_W: tl.constexpr, CENTER: tl.constexpr, BLOCK_G: tl.constexpr,
-                          BLOCK_J: tl.constexpr):
+                          HAS_W: tl.constexpr, CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_G: tl.constexpr):
     """The group sums of the input gradient from the (N, P, C) partials of
-    ``_nc_grad_sums_kernel``, in float64, over the tiling of ``_nc_stats_kernel``::
+    ``_nc_grad_sums_kernel``, in float64, over the tiles of ``_nc_stats_kernel``::
 
         c_var = sum(w * g * xhat) / n,   c_mean = sum(w * g) / n   (0 without centering)
 
@@ -386,23 +397,24 @@ def _nc_grad_stats_kernel(PSg, PSgx, W, CVar, CMean, N_PER, P, C, G, CG, S,
     a = tl.program_id(0)
     gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     gmask = gs < G
-    js = tl.arange(0, BLOCK_J)
     n0 = a * N_PER
+    t_end = N_PER * P * CG
     sv = tl.zeros([BLOCK_G], dtype=tl.float64)
     sm = tl.zeros([BLOCK_G], dtype=tl.float64)
-    for j0 in range(0, CG, BLOCK_J):
-        chans = gs[:, None] * CG + (j0 + js)[None, :]              # BLOCK_G, BLOCK_J
-        mask = gmask[:, None] & ((j0 + js) < CG)[None, :]
-        w = tl.full([BLOCK_G, BLOCK_J], 1.0, tl.float64)
+    for t0 in range(0, t_end, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        rows, _ = _partial_rows(t, n0, P, C, CG, 1, 1)
+        offs = rows[:, None] + (gs * CG)[None, :]                  # BLOCK_T, BLOCK_G
+        mask = (t < t_end)[:, None] & gmask[None, :]
+        gx = tl.load(PSgx + offs, mask=mask, other=0.0).to(tl.float64)
+        g = tl.load(PSg + offs, mask=mask, other=0.0).to(tl.float64)
         if HAS_W:
-            w = tl.load(W + chans, mask=mask, other=0.0).to(tl.float64)
-        for n in range(n0, n0 + N_PER):
-            for p in range(0, P):
-                offs = (n * P + p) * C + chans
-                sv += tl.sum(w * tl.load(PSgx + offs, mask=mask, other=0.0).to(tl.float64),
-                             axis=1)
-                sm += tl.sum(w * tl.load(PSg + offs, mask=mask, other=0.0).to(tl.float64),
-                             axis=1)
+            w = tl.load(W + (t % CG)[:, None] + (gs * CG)[None, :], mask=mask,
+                        other=0.0).to(tl.float64)
+            gx = w * gx
+            g = w * g
+        sv += tl.sum(gx, axis=0)
+        sm += tl.sum(g, axis=0)
     total = N_PER.to(tl.float64) * S * CG
     out = a * G + gs
     tl.store(CVar + out, (sv / total).to(tl.float32), mask=gmask)

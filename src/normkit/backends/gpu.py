@@ -65,7 +65,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROW_BLOCK_MAX = 8192
 TILE_MAX = 2048
 CL_BLOCK_C = 64
-STAT_BLOCK_MAX = 128  # groups x channels of a group per tile of the statistics kernels
+STAT_BLOCK_MAX = 64     # groups side by side in a tile of the statistics kernels
+STAT_TILE_MAX = 1024    # its elements (groups x partials of each)
 PROGRAMS_PER_SM = 4
 INTERPRETER_SMS = 4   # the "device" of CPU tensors in interpreter mode
 
@@ -251,11 +252,12 @@ def _groups(grouping, c):
     return g, c // g
 
 
-def _stat_tile(groups, cg):
-    """(BLOCK_G, BLOCK_J) of the statistics kernels: a group's channels read side by side
-    (GroupNorm(1, C) has one group of C), the rest of the tile across groups."""
-    block_j = min(_pow2(cg), STAT_BLOCK_MAX)
-    return max(1, min(_pow2(groups), STAT_BLOCK_MAX // block_j)), block_j
+def _stat_tile(groups, partials):
+    """(BLOCK_T, BLOCK_G) of the statistics kernels: up to STAT_BLOCK_MAX groups side by
+    side, and as many of each group's ``partials`` (samples x parts x channels of the
+    group) as fill a tile of STAT_TILE_MAX elements."""
+    block_g = min(_pow2(groups), STAT_BLOCK_MAX)
+    return max(1, min(_pow2(partials), STAT_TILE_MAX // block_g)), block_g
 
 
 def _samples_per_stat(grouping, n):
@@ -308,10 +310,10 @@ def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
         per = _samples_per_stat(grouping, n)
         mean, mean_lo, var, rstd = torch.empty((4, n // per * groups), dtype=torch.float32,
                                                device=dev)            # 4 x (A * G)
-        block_g, block_j = _stat_tile(groups, cg)
+        block_t, block_g = _stat_tile(groups, per * parts * cg)
         _k()._nc_stats_kernel[(n // per, _cdiv(groups, block_g))](
             pmean, pm2, mean, mean_lo, var, rstd, per, parts, c, groups, cg, s, spp,
-            float(eps), BLOCK_G=block_g, BLOCK_J=block_j)
+            float(eps), BLOCK_T=block_t, BLOCK_G=block_g)
     else:
         mean, rstd = mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
     # the output in x's shape and layout, seen as (N, C, S) by the kernel: an output that
@@ -352,11 +354,11 @@ def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
         if not fixed:
             per = _samples_per_stat(grouping, n)
             c_var_mean = torch.empty((2, n // per * groups), dtype=torch.float32, device=dev)
-            block_g, block_j = _stat_tile(groups, cg)
+            block_t, block_g = _stat_tile(groups, per * parts * cg)
             _k()._nc_grad_stats_kernel[(n // per, _cdiv(groups, block_g))](
                 psg[0], psg[1], rstd if w is None else w, c_var_mean[0], c_var_mean[1], per,
                 parts, c, groups, cg, s, HAS_W=w is not None, CENTER=bool(center),
-                BLOCK_G=block_g, BLOCK_J=block_j)
+                BLOCK_T=block_t, BLOCK_G=block_g)
         dx = torch.empty_like(x)                 # x's strides: viewed as x3 is
         dx3 = _merge_batch(_ncs(dx, grouping), grouping) if merged else _ncs(dx, grouping)
         _launch_affine(x3, g3, dx3, grouping, (mean, None, rstd), w, None, c_var_mean, tiles,
