@@ -32,6 +32,33 @@ def _size(shape) -> list:
     return [int(s) for s in shape]
 
 
+def _eager_cached(make):
+    """``make(shape, ...)`` (a ``normkit.grouping`` constructor) cached on its arguments in
+    eager mode: a model asks for the same few groupings on every call, and building one
+    costs several times more between a model's other ops than alone (docs/performance.md,
+    "Between convolutions"). Traced, it is called as it is: a cache keyed on symbolic
+    sizes would pin them (under torch.compile), or cannot hash them (FakeTensor tracing)."""
+    cache = {}
+
+    def cached(*args):
+        if torch.compiler.is_compiling():
+            return make(*args)
+        try:
+            found = cache.get(args)
+        except TypeError:                        # symbolic sizes: unhashable
+            return make(*args)
+        if found is None:
+            if len(cache) >= 4096:
+                cache.clear()
+            found = cache[args] = make(*args)
+        return found
+    return cached
+
+
+_batch, _instance = _eager_cached(G.batch), _eager_cached(G.instance)
+_group, _layer = _eager_cached(G.group), _eager_cached(G.layer)
+
+
 _CHANNEL_PARAMS = ("running_mean", "running_var", "weight", "bias")
 
 
@@ -80,7 +107,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         raise ValueError(f"batch_norm expects an input of shape (N, C, *), got {input.dim()}D "
                          f"input of size {_size(input.shape)}; add a batch dim with unsqueeze(0)")
     _check_channels(input, running_mean, running_var, weight, bias)
-    grouping = G.batch(input.shape)
+    grouping = _batch(input.shape)
     if eps < 0 or (training and eps == 0):
         raise ValueError(f"batch_norm eps must be positive (non-negative in eval), got "
                          f"eps={eps}: it keeps a constant channel from dividing by zero; "
@@ -129,7 +156,7 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
                          f"{_size(input.shape)}")
     c = _check_channels(input, running_mean=running_mean, running_var=running_var,
                         weight=weight, bias=bias)
-    grouping = G.instance(input.shape)
+    grouping = _instance(input.shape)
     s = grouping.group_size
     if not use_input_stats:
         if running_mean is None or running_var is None:
@@ -169,7 +196,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             f"input of shape {_size(input.shape)} and num_groups={num_groups}; choose "
             f"num_groups among the divisors of {c}")
     _check_channels(input, weight=weight, bias=bias)
-    return apply_norm(input, G.group(input.shape, num_groups), weight, bias, eps,
+    return apply_norm(input, _group(input.shape, num_groups), weight, bias, eps,
                       stats=False)[0]
 
 
@@ -209,7 +236,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         tensor([[-0.2675,  1.4464, -1.1036,  0.8611, -0.9364]])
     """
     shape = _check_normalized_shape(input, normalized_shape, weight, bias, "layer_norm")
-    return apply_norm(input, G.layer(input.shape, len(shape)), weight, bias, eps,
+    return apply_norm(input, _layer(input.shape, len(shape)), weight, bias, eps,
                       stats=False)[0]
 
 
@@ -237,12 +264,12 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, cast
     check_casting(casting, offset, weight)
     if casting != "torch":                       # normalize as the model does, then its cast
         x = input.to(normalize_dtype(input, casting))
-        x_hat = apply_norm(x, G.layer(x.shape, len(shape)), None, None, eps, False,
+        x_hat = apply_norm(x, _layer(x.shape, len(shape)), None, None, eps, False,
                            stats=False)[0]
         return scale_and_cast(x_hat, input.dtype, weight, offset, casting)
     if offset:
         weight = offset + weight
-    return apply_norm(input, G.layer(input.shape, len(shape)), weight, None, eps, False,
+    return apply_norm(input, _layer(input.shape, len(shape)), weight, None, eps, False,
                       stats=False)[0]
 
 
@@ -327,7 +354,7 @@ def batch_renorm(input, running_mean, running_var, weight=None, bias=None, train
     if not training:
         return batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
     _check_channels(input, running_mean, running_var, weight, bias)
-    grouping = G.batch(input.shape)
+    grouping = _batch(input.shape)
     n = grouping.group_size
     if n == 1:
         raise ValueError(
