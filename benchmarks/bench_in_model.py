@@ -2,14 +2,12 @@
 normkit's path and of torch's (docs/performance.md, "Between convolutions").
 
 A (2, 16, 8, 8) eval BatchNorm, one thread: each variant timed alone in a loop, and inside
-``relu(variant(conv(x)))`` minus ``relu(conv(x))``, best of 7 rounds of 3000 calls.
+``relu(variant(conv(x)))`` minus ``relu(conv(x))``, best of 7 rounds of 3000 calls (the thread's CPU time).
 
     python benchmarks/bench_in_model.py
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -17,18 +15,11 @@ import normkit.functional as NF
 import normkit.nn as nknn
 from normkit import backends, ops
 from normkit import grouping as G
+from normkit.bench.models import per_call_us as _per_call_us
 
 
-def per_call_us(f, n=3000, rounds=7):
-    for _ in range(200):
-        f()
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(n):
-            f()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    return best
+def per_call_us(f):
+    return _per_call_us(f, calls=3000, repeats=7)      # the calling thread's CPU time
 
 
 def main():
