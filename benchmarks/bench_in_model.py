@@ -2,7 +2,8 @@
 normkit's path and of torch's (docs/performance.md, "Between convolutions").
 
 A (2, 16, 8, 8) eval BatchNorm, one thread: each variant timed alone in a loop, and inside
-``relu(variant(conv(x)))`` minus ``relu(conv(x))``, best of 7 rounds of 3000 calls (the thread's CPU time).
+``relu(variant(conv(x)))`` minus ``relu(conv(x))``; best of 7 rounds of 3000 calls, the
+calling thread's CPU time.
 
     python benchmarks/bench_in_model.py
 """
