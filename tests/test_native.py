@@ -256,3 +256,80 @@ def test_a_plan_refuses_a_tensor_it_was_not_built_for():
                      False, False)
     with pytest.raises(RuntimeError, match="got sizes \\[5, 16\\]"):
         node.apply(torch.randn(5, 16), None, None, 1e-5, None, None, None, False)
+    with pytest.raises(RuntimeError, match="a weight or bias of 16 elements"):
+        node.forward(x, torch.ones(5), None, 1e-5, None, None, False, False)
+
+
+# ---- eval BatchNorm layers keep their node (nn.batchnorm._BatchNorm._eval_node_call) ----
+
+def _eval_bn(c=6, shape=(3, 6, 5, 4), dtype=torch.float32):
+    torch.manual_seed(0)
+    ours, theirs = nknn.BatchNorm2d(c).to(dtype), torch.nn.BatchNorm2d(c).to(dtype)
+    for m in (ours, theirs):
+        with torch.no_grad():
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+            m.weight.uniform_(0.5, 1.5)
+            m.bias.uniform_(-1, 1)
+    theirs.load_state_dict(ours.state_dict())
+    return ours.eval(), theirs.eval(), torch.randn(shape).to(dtype)
+
+
+def test_eval_layer_keeps_its_node_and_matches_the_full_path_and_torch():
+    ours, theirs, x = _eval_bn()
+    with torch.no_grad():
+        y = ours(x)
+        assert ours.__dict__["_eval_node"][1] is not None     # the kept node ran
+        full = NF.batch_norm(x, ours.running_mean, ours.running_var, ours.weight, ours.bias)
+        torch.testing.assert_close(y, full, rtol=0, atol=0)
+        torch.testing.assert_close(y, theirs(x))
+    y.add_(1.0)                                                # an output of its own
+
+
+def test_eval_layer_node_refusals_take_the_full_path():
+    ours, theirs, x = _eval_bn()
+    with torch.no_grad():
+        ours(x)
+        ours.weight.data = torch.ones(5)                       # same Parameter, wrong size
+        with pytest.raises(RuntimeError, match="should contain 6 elements not 5"):
+            ours(x)
+        ours.weight.data = theirs.weight.data.clone()
+        ours.running_var.data = ours.running_var.data.double()  # another dtype: converted
+        torch.testing.assert_close(ours(x), theirs(x))
+        ours.running_var.data = ours.running_var.data.float()
+        ours.double(), theirs.double()                         # a new key: rebuilt
+        torch.testing.assert_close(ours(x.double()), theirs(x.double()))
+
+
+def test_eval_layer_node_is_dropped_with_the_plans_and_not_copied():
+    import copy
+    import pickle
+
+    ours, theirs, x = _eval_bn()
+    with torch.no_grad():
+        ours(x)
+        native.switch(False)                                   # clear_plans: a new epoch
+        torch.testing.assert_close(ours(x), theirs(x))
+        assert ours.__dict__["_eval_node"][1] is None          # no node: the full path ran
+        native.switch(True)
+        ours(x)
+        assert ours.__dict__["_eval_node"][1] is not None
+    for twin in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
+        assert "_eval_node" not in twin.__dict__
+        with torch.no_grad():
+            torch.testing.assert_close(twin(x), theirs(x))
+
+
+def test_eval_layer_node_not_used_with_grad_or_by_subclasses():
+    ours, theirs, x = _eval_bn()
+
+    class Sub(nknn.BatchNorm2d):
+        pass
+
+    sub = Sub(6).eval()
+    sub.load_state_dict(ours.state_dict())
+    y = ours(x)                                                # grad enabled: the full path
+    assert "_eval_node" not in ours.__dict__ and y.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(sub(x), theirs(x))
+    assert "_eval_node" not in sub.__dict__

@@ -159,10 +159,17 @@ def update_running(running_mean, running_var, mean, var, momentum, unbias=1.0) -
     torch_ops.update_running(running_mean, running_var, mean, var, momentum, unbias)
 
 
+#: counts ``clear_plans`` calls: a caller that keeps a plan's node across calls (the eval
+#: BatchNorm layers) keys it on this, so that it is dropped with the plans
+plan_epoch = 0
+
+
 def clear_plans() -> None:
     """Forget every plan: the next call of each shape chooses and builds its plan again
     (after changing a number in ``normkit.backends.cpu.tuning``, say)."""
+    global plan_epoch
     _PLANS.clear()
+    plan_epoch += 1
 
 
 def group_moments(x, grouping):

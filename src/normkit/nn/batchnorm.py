@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from normkit import backends
 from normkit import functional as F
+from normkit import grouping as G
 from normkit.nn._base import NormBase
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
@@ -19,6 +21,43 @@ class _BatchNorm(NormBase):
             raise ValueError(f"expected {want} input (got {input.dim()}D input of size "
                              f"{list(input.shape)}) for {type(self).__name__}")
 
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_eval_node", None)      # a C++ plan of this process: built again on use
+        return state
+
+    def _eval_node_call(self, x):
+        """Eval without a gradient, on a CPU tensor whose plan has a C++ node: that node,
+        kept on the layer per (shape, dtype, threads, plans), called with the layer's own
+        tensors -- no grouping, checks or plan lookup in Python, which cost several times
+        more between a model's convolutions than alone (docs/performance.md). None where
+        the full path runs: tracing, grad, a subclass (parametrized layers are), no running
+        statistics, or a tensor the node refuses (another dtype, size or device after
+        ``.half()``, ``.to()`` or ``.data = ...``), which the full path converts or
+        rejects with its message."""
+        if (torch.compiler.is_compiling() or torch.is_grad_enabled()
+                or type(x) is not torch.Tensor or type(self) not in _PLAIN
+                or torch._C._len_torch_dispatch_stack() or not x.is_contiguous()):
+            return None
+        key = (x.shape, x.dtype, torch.get_num_threads(), backends.plan_epoch)
+        kept = self.__dict__.get("_eval_node")
+        if kept is None or kept[0] != key:
+            if x.dim() not in self._accepted_dims:
+                return None
+            node = backends.plan(x, G.batch(x.shape), True, True).native
+            self.__dict__["_eval_node"] = kept = (key, node)
+        node, eps = kept[1], self.eps
+        params, buffers = self._parameters, self._buffers
+        running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
+        if (node is None or running_mean is None or running_var is None or eps < 0
+                or "weight" not in params or "bias" not in params):
+            return None
+        try:
+            return node.forward(x, params["weight"], params["bias"], eps, running_mean,
+                                running_var, True, False)[0]
+        except RuntimeError:
+            return None
+
     def _exponential_average_factor(self) -> float:
         """The momentum of this step; with ``momentum=None`` the running statistics are the
         cumulative average of all batches (factor ``1 / num_batches_tracked``)."""
@@ -32,6 +71,10 @@ class _BatchNorm(NormBase):
         return factor
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            y = self._eval_node_call(input)
+            if y is not None:
+                return y
         self._check_input_dim(input)
         factor = self._exponential_average_factor()
         # buffers and parameters read once: each goes through Module.__getattr__
@@ -97,3 +140,6 @@ class BatchNorm2d(_BatchNorm):
 class BatchNorm3d(_BatchNorm):
     __doc__ = _BN_DOC.format(name="BatchNorm3d", **DIM_DOC[3])
     _accepted_dims = (5,)
+
+
+_PLAIN = (BatchNorm1d, BatchNorm2d, BatchNorm3d)   # exact classes: _eval_node_call

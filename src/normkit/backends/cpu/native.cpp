@@ -45,16 +45,26 @@ struct Plan : torch::CustomClassHolder {
 
   at::ScalarType sdtype() const { return ones.scalar_type(); }
 
-  // a weight or bias as contiguous memory of the statistics dtype
+  // a weight or bias as contiguous memory of the statistics dtype; one of another size or
+  // device is refused (a caller that keeps the plan across calls may pass one)
   Tensor param(const Tensor& p, const Tensor& fallback) const {
     if (!p.defined()) return fallback;
+    TORCH_CHECK(p.numel() == ones.numel() && p.device().is_cpu(),
+                "normkit native plan: a weight or bias of ", ones.numel(), " elements on the "
+                "CPU, got sizes ", p.sizes(), " on ", p.device());
     if (p.scalar_type() != sdtype() || !p.is_contiguous())
       return p.detach().to(sdtype()).contiguous();
     return p;
   }
 
-  // given statistics (fixed or saved) the same way
+  // given statistics (fixed or saved) the same way: one per group, or one per channel
+  // (running statistics)
   Tensor stat(const Tensor& t) const {
+    int64_t count = 1;
+    for (int64_t d : stat_shape) count *= d;
+    TORCH_CHECK((t.numel() == count || t.numel() == ones.numel()) && t.device().is_cpu(),
+                "normkit native plan: statistics of ", count, " (or ", ones.numel(),
+                ") elements on the CPU, got sizes ", t.sizes(), " on ", t.device());
     if (t.scalar_type() != sdtype() || !t.is_contiguous()) return t.to(sdtype()).contiguous();
     return t;
   }
