@@ -333,3 +333,33 @@ def test_eval_layer_node_not_used_with_grad_or_by_subclasses():
     with torch.no_grad():
         torch.testing.assert_close(sub(x), theirs(x))
     assert "_eval_node" not in sub.__dict__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_training_layer_keeps_its_node_and_matches_torch(dtype):
+    ours, theirs, x = _eval_bn(dtype=dtype)
+    ours.train(), theirs.train()
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    gtol = dict(rtol=5e-2, atol=2.5e-1) if dtype == torch.bfloat16 else {}   # conftest's
+    for momentum in (0.1, None):
+        ours.momentum = theirs.momentum = momentum
+        for grad in (True, False):
+            xs = [x.clone().requires_grad_(grad) for _ in range(2)]
+            with torch.set_grad_enabled(grad):
+                y, ty = ours(xs[0]), theirs(xs[1])
+            assert ours.__dict__["_train_node"][1] is not None   # the kept node ran
+            torch.testing.assert_close(y, ty, **tol)
+            if grad:
+                y.square().sum().backward()
+                ty.square().sum().backward()
+                torch.testing.assert_close(xs[0].grad, xs[1].grad, **gtol)
+                torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, **gtol)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), **tol)
+
+
+def test_training_layer_one_value_per_channel_still_refused():
+    bn = nknn.BatchNorm1d(4)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        bn(torch.randn(1, 4))
+    assert int(bn.num_batches_tracked) == 1            # counted once, as torch does

@@ -23,8 +23,57 @@ class _BatchNorm(NormBase):
 
     def __getstate__(self):
         state = super().__getstate__()
-        state.pop("_eval_node", None)      # a C++ plan of this process: built again on use
+        state.pop("_eval_node", None)      # C++ plans of this process: built again on use
+        state.pop("_train_node", None)
         return state
+
+    def _kept_node(self, x, slot, fixed):
+        """``(node, unbias)`` of the plan for ``x`` kept in ``slot`` (None: the full path
+        runs), or None for an input the full path must see (another dimension count)."""
+        key = (x.shape, x.dtype, torch.get_num_threads(), backends.plan_epoch)
+        kept = self.__dict__.get(slot)
+        if kept is None or kept[0] != key:
+            if x.dim() not in self._accepted_dims:
+                return None
+            grouping = G.batch(x.shape)
+            n = grouping.group_size
+            node = backends.plan(x, grouping, True, fixed).native if n > 1 else None
+            self.__dict__[slot] = kept = (key, node, n / (n - 1) if n > 1 else 0.0)
+        return kept[1], kept[2]
+
+    def _plain_call(self, x) -> bool:
+        """Whether this call may take a kept node: eager, a plain CPU tensor, an exact
+        normkit class (a subclass, parametrized layers too, takes the full path)."""
+        return not (torch.compiler.is_compiling() or type(x) is not torch.Tensor
+                    or type(self) not in _PLAIN or torch._C._len_torch_dispatch_stack()
+                    or not x.is_contiguous())
+
+    def _train_node_call(self, x, factor):
+        """Training with running statistics: the kept node of this input's plan, with the
+        running update inside the C++ call (``node.apply`` when a gradient is recorded).
+        None where the full path runs (see ``_eval_node_call``)."""
+        if not self._plain_call(x):
+            return None
+        kept = self._kept_node(x, "_train_node", False)
+        params, buffers = self._parameters, self._buffers
+        running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
+        if (kept is None or kept[0] is None or running_mean is None or running_var is None
+                or not self.eps > 0 or "weight" not in params or "bias" not in params):
+            return None
+        (node, unbias), w, b = kept, params["weight"], params["bias"]
+        try:
+            if torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)
+                                            or (b is not None and b.requires_grad)):
+                out = node.apply(x, w, b, self.eps, None, None, None, True, running_mean,
+                                 running_var, factor, unbias)
+            else:
+                out = node.forward(x, w, b, self.eps, None, None, False, True, running_mean,
+                                   running_var, factor, unbias)
+        except RuntimeError:                     # refused before its kernel ran
+            return None
+        if len(out) == 4:                        # buffers of another dtype: updated here
+            F.update_running(running_mean, running_var, out[1], out[3], factor, unbias)
+        return out[0]
 
     def _eval_node_call(self, x):
         """Eval without a gradient, on a CPU tensor whose plan has a C++ node: that node,
@@ -35,18 +84,10 @@ class _BatchNorm(NormBase):
         statistics, or a tensor the node refuses (another dtype, size or device after
         ``.half()``, ``.to()`` or ``.data = ...``), which the full path converts or
         rejects with its message."""
-        if (torch.compiler.is_compiling() or torch.is_grad_enabled()
-                or type(x) is not torch.Tensor or type(self) not in _PLAIN
-                or torch._C._len_torch_dispatch_stack() or not x.is_contiguous()):
+        if torch.is_grad_enabled() or not self._plain_call(x):
             return None
-        key = (x.shape, x.dtype, torch.get_num_threads(), backends.plan_epoch)
-        kept = self.__dict__.get("_eval_node")
-        if kept is None or kept[0] != key:
-            if x.dim() not in self._accepted_dims:
-                return None
-            node = backends.plan(x, G.batch(x.shape), True, True).native
-            self.__dict__["_eval_node"] = kept = (key, node)
-        node, eps = kept[1], self.eps
+        kept = self._kept_node(x, "_eval_node", True)
+        node, eps = None if kept is None else kept[0], self.eps
         params, buffers = self._parameters, self._buffers
         running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
         if (node is None or running_mean is None or running_var is None or eps < 0
@@ -77,6 +118,10 @@ class _BatchNorm(NormBase):
                 return y
         self._check_input_dim(input)
         factor = self._exponential_average_factor()
+        if self.training and self.track_running_stats:
+            y = self._train_node_call(input, factor)
+            if y is not None:
+                return y
         # buffers and parameters read once: each goes through Module.__getattr__
         running_mean, running_var = self.running_mean, self.running_var
         # batch statistics in training, and in eval when there are no running statistics
