@@ -41,6 +41,17 @@ class _BatchNorm(NormBase):
             self.__dict__[slot] = kept = (key, node, n / (n - 1) if n > 1 else 0.0)
         return kept[1], kept[2]
 
+    def _own_tensors(self):
+        """``(weight, bias, running_mean, running_var)`` from the module's own dicts (past
+        ``Module.__getattr__``), or None where the running statistics are missing or a
+        parameter was taken out of them (the full path runs)."""
+        params, buffers = self._parameters, self._buffers
+        running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
+        if running_mean is None or running_var is None or "weight" not in params \
+                or "bias" not in params:
+            return None
+        return params["weight"], params["bias"], running_mean, running_var
+
     def _plain_call(self, x) -> bool:
         """Whether this call may take a kept node: eager, a plain CPU tensor, an exact
         normkit class (a subclass, parametrized layers too, takes the full path)."""
@@ -54,13 +65,10 @@ class _BatchNorm(NormBase):
         None where the full path runs (see ``_eval_node_call``)."""
         if not self._plain_call(x):
             return None
-        kept = self._kept_node(x, "_train_node", False)
-        params, buffers = self._parameters, self._buffers
-        running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
-        if (kept is None or kept[0] is None or running_mean is None or running_var is None
-                or not self.eps > 0 or "weight" not in params or "bias" not in params):
+        kept, own = self._kept_node(x, "_train_node", False), self._own_tensors()
+        if kept is None or kept[0] is None or own is None or not self.eps > 0:
             return None
-        (node, unbias), w, b = kept, params["weight"], params["bias"]
+        (node, unbias), (w, b, running_mean, running_var) = kept, own
         try:
             if torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)
                                             or (b is not None and b.requires_grad)):
@@ -86,16 +94,13 @@ class _BatchNorm(NormBase):
         rejects with its message."""
         if torch.is_grad_enabled() or not self._plain_call(x):
             return None
-        kept = self._kept_node(x, "_eval_node", True)
-        node, eps = None if kept is None else kept[0], self.eps
-        params, buffers = self._parameters, self._buffers
-        running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
-        if (node is None or running_mean is None or running_var is None or eps < 0
-                or "weight" not in params or "bias" not in params):
+        kept, own = self._kept_node(x, "_eval_node", True), self._own_tensors()
+        if kept is None or kept[0] is None or own is None or self.eps < 0:
             return None
+        w, b, running_mean, running_var = own
         try:
-            return node.forward(x, params["weight"], params["bias"], eps, running_mean,
-                                running_var, True, False)[0]
+            return kept[0].forward(x, w, b, self.eps, running_mean, running_var, True,
+                                   False)[0]
         except RuntimeError:
             return None
 
