@@ -94,26 +94,32 @@ def test_node_matches_the_python_plans_and_the_reference(op, shape, dtype):
     cases.check_against_reference(node, ref, x, w, b, dy, dtype)
 
 
-@pytest.mark.parametrize("op", ["layer", "batch", "group"])
+@pytest.mark.parametrize("op", ["layer", "rms", "batch", "group", "instance"])
 def test_both_sides_of_the_serial_threshold(op, monkeypatch):
-    # below SERIAL_BELOW the node runs (one thread), from it the Python plans (threads)
-    shape = (8, 48) if op == "layer" else (4, 6, 5, 7)
-    c = shape[-1] if op == "layer" else shape[1]
+    # below SERIAL_BELOW the node runs its kernels on the calling thread, from it in
+    # ranges on torch's OpenMP team (partial gradients per range, added up in C++): the
+    # same results as the Python plans' threaded launch, and the reference's
+    shape = (8, 48) if op in ("layer", "rms") else (4, 6, 5, 7)
+    c = shape[-1] if op in ("layer", "rms") else shape[1]
     x, w, b, dy = cases.inputs(shape, torch.float32, c, offset=0.5)
     fn, ref = cases.op(op, c)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    got = []
-    for below, node in ((x.numel() + 1, True), (x.numel(), False)):
+    if op == "rms":
+        b = None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    got = {}
+    for below, threads in ((x.numel() + 1, 1), (x.numel(), 3)):
         monkeypatch.setattr(tuning, "SERIAL_BELOW", below)
         backends.clear_plans()
-        xr, wr, br = (t.detach().requires_grad_(True) for t in (x, w, b))
-        y = fn(xr, wr, br)
-        assert ("NormNode" in _node_name(y)) == node
-        y.backward(dy)
-        got.append((y.detach(), xr.grad, wr.grad, br.grad))
-        cases.check_against_reference(got[-1], ref, x, w, b, dy, torch.float32)
+        assert tuning.threads(x) == threads
+        got[threads] = _both_paths(fn, x, w, b, dy)
+        for path in got[threads]:
+            cases.check_against_reference(path, ref, x, w, b, dy, torch.float32)
+        node, python = got[threads]
+        for p, q, name in zip(node, python, ("y", "dx", "dweight", "dbias")):
+            if q is not None:
+                _near(p, q, torch.float32, name)
     # every output element is one work item's on both sides (to rounding, see the top)
-    _near(got[0][0], got[1][0], torch.float32, "y")
+    _near(got[1][0][0], got[3][0][0], torch.float32, "y")
 
 
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["launch", "backend"]
+__all__ = ["launch", "backend", "team_addresses"]
 
 _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
@@ -100,6 +100,17 @@ def _pool(size):
         if _POOL is None or _POOL._max_workers < size:
             _POOL = ThreadPoolExecutor(max_workers=size, thread_name_prefix="normkit-cpu")
         return _POOL
+
+
+def team_addresses():
+    """The addresses of ``GOMP_parallel``, ``omp_get_thread_num`` and
+    ``omp_get_num_threads`` of torch's OpenMP runtime (the C++ node opens its parallel
+    regions there, ``cpu/native.cpp``), or None where ``backend()`` is not ``"openmp"``."""
+    if _OMP is None:
+        return None
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value
+                 for f in (_OMP.GOMP_parallel, _OMP.omp_get_thread_num,
+                           _OMP.omp_get_num_threads))
 
 
 def backend() -> str:

@@ -14,10 +14,22 @@
 //   forward:  x, y, w, b, mean, rstd, var, from_var, <forward constants>
 //   backward: g, x, dx, w, mean, rstd, dw, db, <backward constants>
 // (addresses of contiguous memory; a statistics address 0: the kernel's own scratch;
-// from_var: the fixed statistics are a mean and a variance, rstd computed in the kernel).
+// from_var: the fixed statistics are a mean and a variance, rstd computed in the kernel),
+// and in the last three slots: the address of a threaded backward's partial sums (0: none),
+// and the range [lo, hi) of work items the call covers.
+//
+// A plan of several threads splits the work items into contiguous ranges, as the Python
+// plan's launch does (the same ranges), and runs them in a parallel region of torch's own
+// OpenMP runtime (GOMP_parallel, its address handed over by native.py from _parallel.py),
+// with no Python callback per thread. (at::parallel_for is no use here: its OpenMP region
+// is a pragma in a header, which would bind this extension to a second OpenMP runtime.) Its backward writes per-range partial sums
+// of the parameter gradients, added up here after the threads:
+//   rows:   dw, db partials (chunks, K), summed over the chunks with at::sum;
+//   planes: (2, N, C) per-plane sums, added over n in float64 in order (entries.param_sums).
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <pthread.h>
 
 namespace {
 
@@ -29,6 +41,47 @@ typedef void (*kernel_fn)(int64_t*, double);
 
 constexpr int kAddresses = 8;   // slots before the constants, either direction
 constexpr int kMaxArgs = 24;
+constexpr int kSums = kMaxArgs - 3, kLo = kMaxArgs - 2, kHi = kMaxArgs - 1;
+
+enum Partials : int64_t { kNone = 0, kRowChunks = 1, kPlaneSums = 2 };
+
+// torch's OpenMP runtime (set_team; none after a fork: GNU OpenMP is not fork-safe)
+typedef void (*region_fn)(void*);
+void (*gomp_parallel)(region_fn, void*, unsigned, unsigned) = nullptr;
+int (*omp_thread_num)() = nullptr;
+int (*omp_num_threads)() = nullptr;
+
+void forget_team() { gomp_parallel = nullptr, omp_thread_num = nullptr, omp_num_threads = nullptr; }
+
+void set_team(int64_t parallel, int64_t thread_num, int64_t num_threads) {
+  static bool registered = false;
+  if (!registered) pthread_atfork(nullptr, nullptr, forget_team), registered = true;
+  gomp_parallel = reinterpret_cast<void (*)(region_fn, void*, unsigned, unsigned)>(parallel);
+  omp_thread_num = reinterpret_cast<int (*)()>(thread_num);
+  omp_num_threads = reinterpret_cast<int (*)()>(num_threads);
+}
+
+// one parallel region's work: `ranges` contiguous ranges of `step` items out of `units`
+struct Region {
+  kernel_fn kernel;
+  const int64_t* args;
+  double eps;
+  int64_t units, step, ranges;
+
+  void range(int64_t r) const {
+    int64_t own[kMaxArgs];
+    std::copy(args, args + kMaxArgs, own);
+    own[kLo] = r * step, own[kHi] = std::min(units, (r + 1) * step);
+    kernel(own, eps);
+  }
+
+  // each member of the team: its ranges (all of them, in a smaller team than asked for)
+  static void member(void* data) {
+    const Region& job = *static_cast<const Region*>(data);
+    int64_t tid = omp_thread_num(), team = omp_num_threads();
+    for (int64_t r = tid; r < job.ranges; r += team) job.range(r);
+  }
+};
 
 struct Plan : torch::CustomClassHolder {
   kernel_fn forward_kernel = nullptr, backward_kernel = nullptr;
@@ -42,6 +95,10 @@ struct Plan : torch::CustomClassHolder {
   bool center = true;
   at::ScalarType dtype = at::kFloat;   // the input's, and its number of elements
   int64_t numel = 0;
+  // work items of each kernel, the threads they are split over, and how a threaded
+  // backward leaves its parameter gradients (Partials; partial_rows: chunks, or N)
+  int64_t forward_units = 1, backward_units = 1, threads = 1;
+  int64_t partials = kNone, partial_rows = 0;
 
   at::ScalarType sdtype() const { return ones.scalar_type(); }
 
@@ -75,8 +132,45 @@ struct Plan : torch::CustomClassHolder {
     int64_t i = 0;
     for (int64_t v : addresses) a[i++] = v;
     for (int64_t v : consts) a[i++] = v;
+    a[kSums] = 0;
   }
+
+  // the kernel over [0, units): on this thread, or in min(threads, units) contiguous
+  // ranges on torch's team (each with its own copy of the arguments; one after the other
+  // where there is no team, after a fork)
+  void run(kernel_fn kernel, int64_t* a, double eps, int64_t units) const {
+    int64_t n = std::min(threads, units);
+    if (n <= 1) {
+      a[kLo] = 0, a[kHi] = units;
+      kernel(a, eps);
+      return;
+    }
+    int64_t step = (units + n - 1) / n;
+    Region job{kernel, a, eps, units, step, (units + step - 1) / step};
+    if (gomp_parallel == nullptr) {
+      for (int64_t r = 0; r < job.ranges; ++r) job.range(r);
+      return;
+    }
+    gomp_parallel(&Region::member, &job, static_cast<unsigned>(job.ranges), 0);
+  }
+
+  bool threaded_backward() const { return threads > 1 && backward_units > 1; }
 };
+
+// dbias, dweight (C,) from a threaded planes backward's (2, N, C) sums: each added over n
+// in float64, in order, and rounded once (as entries.param_sums)
+template <typename T>
+void sum_planes(const T* sums, T* db, T* dw, int64_t n, int64_t c) {
+  for (int64_t ch = 0; ch < c; ++ch) {
+    double sg = 0.0, sgx = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      sg += static_cast<double>(sums[i * c + ch]);
+      sgx += static_cast<double>(sums[(n + i) * c + ch]);
+    }
+    db[ch] = static_cast<T>(sg);
+    dw[ch] = static_cast<T>(sgx);
+  }
+}
 
 int64_t address(const Tensor& t) {
   return t.defined() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0;
@@ -166,7 +260,7 @@ tensor_list run_forward(const Plan& p, const Tensor& x, const Tensor& w, const T
   p.args(a, {address(x), address(y), address(wk), address(bk), address(mean), address(rstd),
              fixed_mean.defined() ? address(mean) : address(var), from_var ? 1 : 0},
          p.forward_consts);
-  p.forward_kernel(a, eps);
+  p.run(p.forward_kernel, a, eps, p.forward_units);
   if (fixed_mean.defined() || !keep_stats || running.update(mean, var)) return {y};
   return {y, mean, rstd, var};
 }
@@ -186,14 +280,38 @@ tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, con
   Tensor dx = at::empty_like(x);
   auto options = x.options().dtype(p.sdtype());
   int64_t params = p.ones.numel();
-  Tensor dw = p.zero_grads ? at::zeros({params}, options) : at::empty({params}, options);
-  Tensor db = p.zero_grads ? at::zeros({params}, options) : at::empty({params}, options);
   Tensor wk = p.param(w, p.ones), ms = p.stat(mean), rs = p.stat(rstd);
   int64_t a[kMaxArgs];
+  if (p.threaded_backward() && p.partials == kRowChunks) {
+    Tensor dw = at::zeros({p.partial_rows, params}, options);
+    Tensor db = at::zeros({p.partial_rows, params}, options);
+    p.args(a, {address(g), address(x), address(dx), address(wk), address(ms), address(rs),
+               address(dw), address(db)},
+           p.backward_consts);
+    p.run(p.backward_kernel, a, 0.0, p.backward_units);
+    return {dx, dw.sum(0), db.sum(0)};
+  }
+  Tensor dw = p.zero_grads ? at::zeros({params}, options) : at::empty({params}, options);
+  Tensor db = p.zero_grads ? at::zeros({params}, options) : at::empty({params}, options);
+  if (p.threaded_backward() && p.partials == kPlaneSums) {
+    Tensor sums = at::empty({2, p.partial_rows, params}, options);
+    p.args(a, {address(g), address(x), address(dx), address(wk), address(ms), address(rs),
+               0, 0},
+           p.backward_consts);
+    a[kSums] = address(sums);
+    p.run(p.backward_kernel, a, 0.0, p.backward_units);
+    if (p.sdtype() == at::kDouble)
+      sum_planes(sums.data_ptr<double>(), db.data_ptr<double>(), dw.data_ptr<double>(),
+                 p.partial_rows, params);
+    else
+      sum_planes(sums.data_ptr<float>(), db.data_ptr<float>(), dw.data_ptr<float>(),
+                 p.partial_rows, params);
+    return {dx, dw, db};
+  }
   p.args(a, {address(g), address(x), address(dx), address(wk), address(ms), address(rs),
              address(dw), address(db)},
          p.backward_consts);
-  p.backward_kernel(a, 0.0);
+  p.run(p.backward_kernel, a, 0.0, p.backward_units);
   return {dx, dw, db};
 }
 
@@ -349,10 +467,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::vector<int64_t> stat_shape, Tensor ones, Tensor zeros,
                        bool zero_grads, std::string kind, std::vector<int64_t> view,
                        std::vector<int64_t> reduce,
-                       c10::optional<std::vector<int64_t>> param_view, bool center) {
-             TORCH_CHECK(kAddresses + forward_consts.size() <= kMaxArgs &&
-                             kAddresses + backward_consts.size() <= kMaxArgs,
+                       c10::optional<std::vector<int64_t>> param_view, bool center,
+                       std::vector<int64_t> work) {
+             TORCH_CHECK(kAddresses + forward_consts.size() <= kSums &&
+                             kAddresses + backward_consts.size() <= kSums,
                          "normkit native plan: too many kernel constants");
+             TORCH_CHECK(work.size() == 5, "normkit native plan: work is (forward units, "
+                         "backward units, threads, partials, partial rows), got ", work.size(),
+                         " numbers");
              auto p = c10::make_intrusive<Plan>();
              p->forward_kernel = reinterpret_cast<kernel_fn>(forward_kernel);
              p->backward_kernel = reinterpret_cast<kernel_fn>(backward_kernel);
@@ -362,6 +484,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              p->ones = ones, p->zeros = zeros, p->zero_grads = zero_grads;
              p->kind = std::move(kind), p->view = std::move(view), p->reduce = std::move(reduce);
              p->param_view = std::move(param_view), p->center = center;
+             p->forward_units = work[0], p->backward_units = work[1], p->threads = work[2];
+             p->partials = work[3], p->partial_rows = work[4];
              p->dtype = like.scalar_type();
              p->numel = 1;
              for (int64_t v : p->view) p->numel *= v;
@@ -377,4 +501,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("running_mean") = py::none(), py::arg("running_var") = py::none(),
            py::arg("momentum") = 0.0, py::arg("unbias") = 1.0);
   m.def("update_running", &update_running);
+  m.def("set_team", &set_team);
 }

@@ -2,20 +2,24 @@
 
 On a small tensor a normalization's cost is the Python around its kernel, most of it the
 Python ``autograd.Function`` and the plan's calls inside it (``docs/performance.md``, "A
-C++ autograd node, measured"). So for a plan that runs on the calling thread, this module
-compiles the plan's two kernels as C callbacks (``numba.cfunc``, each a thin wrapper
-around the entry in ``entries`` that the Python plan calls: the same code, compiled with
-the entry inlined, so the same results to rounding -- the re-associable reductions of
-``half.accumulate`` may be split into lanes otherwise) and hands their addresses, with
-the plan's constant arguments, to a ``Plan`` of the C++ extension. Its ``apply`` runs a ``torch::autograd::Function``:
-allocation with ATen, the forward kernel, the saved tensors and, on backward, the
-backward kernel, with no Python in between; its ``forward`` does the same without a
-graph (no gradient to record, eval BatchNorm).
+C++ autograd node, measured"). So for a plan, this module compiles the plan's two kernels
+as C callbacks (``numba.cfunc``, each a thin wrapper around the entry in ``entries`` that
+the Python plan calls: the same code, compiled with the entry inlined, so the same
+results to rounding -- the re-associable reductions of ``half.accumulate`` may be split
+into lanes otherwise) and hands their addresses, with the plan's constant arguments and
+its split of the work (``_work``), to a ``Plan`` of the C++ extension. Its ``apply`` runs
+a ``torch::autograd::Function``: allocation with ATen, the forward kernel, the saved
+tensors and, on backward, the backward kernel, with no Python in between; its
+``forward`` does the same without a graph (no gradient to record, eval BatchNorm). A
+threaded plan's kernels run in ranges on torch's OpenMP team, opened from C++
+(``_parallel.team_addresses``), the ranges of the Python launch.
 
 Where it runs (``node`` gives None otherwise, and the Python plan runs): a contiguous
-input whose plan is serial (fewer than ``tuning.SERIAL_BELOW`` elements, or one
-thread) and neither streams nor asks for huge pages, in the ``rows`` and ``planes``
-families (LayerNorm/RMSNorm; Batch/Instance/GroupNorm on NCHW). A double backward
+input, in the ``rows`` and ``planes`` families (LayerNorm/RMSNorm; Batch/Instance/GroupNorm
+on NCHW), whose plan neither streams its output (``tuning.stream_out``: from the last
+level cache's size, where the kernel's time dwarfs a call's) nor asks for huge pages
+(``NORMKIT_HUGE_PAGES=1``), serial or threaded on torch's OpenMP runtime (a threaded plan
+without one, on normkit's thread pool, stays in Python). A double backward
 (``create_graph=True``) goes from the C++ node to ``torch.ops.normkit.norm_backward``,
 whose autograd differentiates the formula, as on the Python path.
 
@@ -35,30 +39,33 @@ from pathlib import Path
 
 from numba import cfunc, types
 
+from normkit.backends import _parallel
 from normkit.backends.cpu import entries
 
 __all__ = ["extension", "node", "enabled", "switch"]
 
 SIGNATURE = types.void(types.CPointer(types.int64), types.float64)
+SUMS, LO, HI = 21, 22, 23           # native.cpp: kSums, kLo, kHi
 
 # The kernels' argument arrays (native.cpp): forward a = (x, y, w, b, mean, rstd, var,
-# from_var, constants...), backward a = (g, x, dx, w, mean, rstd, dw, db, constants...).
+# from_var, constants...), backward a = (g, x, dx, w, mean, rstd, dw, db, constants...);
+# a[SUMS]: a threaded planes backward's (2, N, C) sums (0: none), a[LO], a[HI]: the range
+# of work items of this call (one thread's, or all of them).
 # proto and sproto, empty arrays of the storage and statistics dtypes, are compile-time
 # constants of each callback (closure variables; numba's cache keys on them).
 
 
 def _rows(proto, sproto):
-    """constants (M, K, center, ahead), both ways."""
+    """constants (M, K, center, ahead) forward, (M, K, center, ahead, chunks) backward."""
     @cfunc(SIGNATURE, cache=True)
     def forward(a, eps):
-        m, k = a[8], a[9]
-        entries.rows_forward((a[0], a[1], a[2], a[3], a[4], a[5], a[6]), m, k, proto, sproto,
-                             eps, a[10] != 0, (False, a[11]), 0, m)
+        entries.rows_forward((a[0], a[1], a[2], a[3], a[4], a[5], a[6]), a[8], a[9], proto,
+                             sproto, eps, a[10] != 0, (False, a[11]), a[LO], a[HI])
 
     @cfunc(SIGNATURE, cache=True)
     def backward(a, eps):
-        entries.rows_backward((a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]), a[8], a[9], 1,
-                              proto, sproto, a[10] != 0, (False, a[11]), 0, 1)
+        entries.rows_backward((a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]), a[8], a[9],
+                              a[12], proto, sproto, a[10] != 0, (False, a[11]), a[LO], a[HI])
 
     return forward, backward
 
@@ -68,13 +75,13 @@ def _channels_small(proto, sproto):
     @cfunc(SIGNATURE, cache=True)
     def forward(a, eps):
         entries.channels_small((a[0], a[1], a[2], a[3], a[4], a[5], a[6]), (a[8], a[9], a[10]),
-                               proto, sproto, eps, a[11] != 0, a[7] != 0, 0, a[9])
+                               proto, sproto, eps, a[11] != 0, a[7] != 0, a[LO], a[HI])
 
     @cfunc(SIGNATURE, cache=True)
     def backward(a, eps):
-        entries.channels_small_backward((a[0], a[1], a[2], a[3], a[4], a[5], 0, a[7], a[6]),
-                                        (a[8], a[9], a[10]), proto, sproto, a[11] != 0,
-                                        a[12] != 0, 0, a[9])
+        entries.channels_small_backward((a[0], a[1], a[2], a[3], a[4], a[5], a[SUMS], a[7],
+                                         a[6]), (a[8], a[9], a[10]), proto, sproto, a[11] != 0,
+                                        a[12] != 0, a[LO], a[HI])
 
     return forward, backward
 
@@ -85,13 +92,13 @@ def _planes_small(proto, sproto):
     @cfunc(SIGNATURE, cache=True)
     def forward(a, eps):
         entries.planes_small((a[0], a[1], a[2], a[3], a[4], a[5], a[6]), (a[8], a[9], a[10]),
-                             a[11], proto, sproto, eps, a[12] != 0, a[7] != 0, 0, a[8] * a[11])
+                             a[11], proto, sproto, eps, a[12] != 0, a[7] != 0, a[LO], a[HI])
 
     @cfunc(SIGNATURE, cache=True)
     def backward(a, eps):
-        entries.planes_small_backward((a[0], a[1], a[2], a[3], a[4], a[5], 0, a[7], a[6]),
-                                      (a[8], a[9], a[10]), a[11], proto, sproto, a[12] != 0,
-                                      a[13] != 0, 0, a[8] * a[11])
+        entries.planes_small_backward((a[0], a[1], a[2], a[3], a[4], a[5], a[SUMS], a[7],
+                                       a[6]), (a[8], a[9], a[10]), a[11], proto, sproto,
+                                      a[12] != 0, a[13] != 0, a[LO], a[HI])
 
     return forward, backward
 
@@ -103,13 +110,13 @@ def _channels(proto, sproto):
     def forward(a, eps):
         entries.channels_forward((a[0], a[1], a[2], a[3], a[4], a[5], a[6]),
                                  (a[8], a[9], a[10]), proto, sproto, eps, a[11] != 0,
-                                 a[7] != 0, a[12], False, 0, a[9])
+                                 a[7] != 0, a[12], False, a[LO], a[HI])
 
     @cfunc(SIGNATURE, cache=True)
     def backward(a, eps):
-        entries.channels_backward((a[0], a[1], a[2], a[3], a[4], a[5], 0, a[7], a[6]),
+        entries.channels_backward((a[0], a[1], a[2], a[3], a[4], a[5], a[SUMS], a[7], a[6]),
                                   (a[8], a[9], a[10]), proto, sproto, a[11], a[12] != 0,
-                                  a[13] != 0, False, 0, a[9])
+                                  a[13] != 0, False, a[LO], a[HI])
 
     return forward, backward
 
@@ -121,13 +128,13 @@ def _planes(proto, sproto):
     def forward(a, eps):
         entries.planes_forward((a[0], a[1], a[2], a[3], a[4], a[5], a[6]), (a[8], a[9], a[10]),
                                a[11], proto, sproto, eps, a[12] != 0, a[7] != 0,
-                               (False, a[13]), 0, a[8] * a[11])
+                               (False, a[13]), a[LO], a[HI])
 
     @cfunc(SIGNATURE, cache=True)
     def backward(a, eps):
-        entries.planes_backward((a[0], a[1], a[2], a[3], a[4], a[5], 0, a[7], a[6]),
+        entries.planes_backward((a[0], a[1], a[2], a[3], a[4], a[5], a[SUMS], a[7], a[6]),
                                 (a[8], a[9], a[10]), a[11], proto, sproto, a[12] != 0,
-                                a[13] != 0, (False, a[14]), 0, a[8] * a[11])
+                                a[13] != 0, (False, a[14]), a[LO], a[HI])
 
     return forward, backward
 
@@ -145,6 +152,21 @@ def _kernels(family, proto, sproto):
     return found
 
 
+PARTIALS_NONE, ROW_CHUNKS, PLANE_SUMS = 0, 1, 2      # native.cpp: Partials
+
+
+def _work(plan):
+    """(forward units, backward units, threads, partials, partial rows) of a plan, as its
+    Python ``run`` splits the work (``plans``): rows over M forward and over one chunk per
+    thread backward, each chunk with its (K,) partial gradients; planes over their units
+    both ways, a threaded backward leaving (2, N, C) sums."""
+    from normkit.backends.cpu.plans import RowsPlan
+
+    if isinstance(plan, RowsPlan):
+        return [plan.m, plan.threads, plan.threads, ROW_CHUNKS, plan.threads]
+    return [plan.units, plan.units, plan.threads, PLANE_SUMS, plan.n]
+
+
 def _family(plan):
     """(callback family, forward constants, backward constants, zero the gradients) of a
     Python plan (``plans``), or None where the family has no callbacks."""
@@ -152,7 +174,7 @@ def _family(plan):
 
     if isinstance(plan, RowsPlan):
         consts = [plan.m, plan.k, int(plan.center), plan.ahead]
-        return _rows, consts, consts, True
+        return _rows, consts, consts + [plan.threads], True
     if not isinstance(plan, PlanesPlan):
         return None
     ncs, center, fixed = list(plan.ncs), int(plan.center), int(plan.fixed)
@@ -171,7 +193,7 @@ def _family(plan):
 def node(plan, x):
     """The C++ ``Plan`` that runs the calls of this Python plan, built for ``x``, or None
     (see the module's docstring for where; the extension unavailable or switched off)."""
-    if plan.threads != 1 or plan.may_stream or plan.large:
+    if plan.may_stream or plan.large or (plan.threads > 1 and _parallel.backend() != "openmp"):
         return None
     found = _family(plan)
     if found is None:
@@ -185,7 +207,8 @@ def node(plan, x):
     return ext.Plan(x.new_empty(0), forward.address, backward.address, forward_consts,
                     backward_consts, list(plan.stat_shape), plan.ones, plan.zeros, zero_grads,
                     g.kind, list(g.view), list(g.reduce),
-                    None if g.param_view is None else list(g.param_view), plan.center)
+                    None if g.param_view is None else list(g.param_view), plan.center,
+                    _work(plan))
 
 
 def enabled() -> bool:
@@ -228,8 +251,12 @@ def _load():
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
         except ImportError:
             pass
-        return cpp_extension.load(name="normkit_native", sources=[str(source)],
-                                  extra_cflags=["-O2"])
+        ext = cpp_extension.load(name="normkit_native", sources=[str(source)],
+                                 extra_cflags=["-O2"])
+        team = _parallel.team_addresses()
+        if team is not None:
+            ext.set_team(*team)
+        return ext
     except Exception as error:   # no compiler, no ninja, no headers: the Python path
         warnings.warn(
             f"normkit could not build its C++ node ({type(error).__name__}: "

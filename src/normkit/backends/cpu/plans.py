@@ -29,7 +29,7 @@ import math
 import numpy as np
 import torch
 
-from normkit.backends._memory import HUGE_MIN_BYTES, empty_like
+from normkit.backends._memory import HUGE_MIN_BYTES, empty_like, huge_pages_advised
 from normkit.backends._parallel import launch
 from normkit.backends.cpu import channels_last as cl
 from normkit.backends.cpu import entries, tuning
@@ -87,7 +87,8 @@ class _Plan:
         self.ones = torch.ones(params, dtype=self.sdtype)          # weight None
         self.zeros = torch.zeros(params, dtype=self.sdtype)        # bias None
         nbytes = x.numel() * self.itemsize
-        self.large = nbytes >= HUGE_MIN_BYTES                      # outputs advised huge pages
+        # outputs advised huge pages (where _memory advises them at all)
+        self.large = nbytes >= HUGE_MIN_BYTES and huge_pages_advised()
         self.may_stream = nbytes >= tuning.STREAM_BYTES
 
     def stream(self, out):
