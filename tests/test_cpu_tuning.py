@@ -31,16 +31,33 @@ def test_serial_and_threaded_runs_agree(op, shape, layout, monkeypatch):
     results = []
     for below in (1 << 60, 0):
         monkeypatch.setattr(tuning, "SERIAL_BELOW", below)
+        monkeypatch.setattr(tuning, "NATIVE_SERIAL_BELOW", below)
         results.append(cases.run(fn, x, w, b, dy))
     serial, threaded = results
     if layout == "contiguous":
-        # (serial: the C++ node's compilation of the kernels; threaded: the Python plans'.
-        # Re-associable reductions may round differently between the two: a few ulps)
+        # (the C++ node's ranges or the Python launch's; re-associable reductions may round
+        # differently between a range and the whole: a few ulps)
         torch.testing.assert_close(serial[0], threaded[0], rtol=2e-6, atol=2e-6)
     for p, q, name in zip(serial, threaded, ("y", "dx", "dweight", "dbias")):
         if p is not None:
             cases.close(cases.np64(q), cases.np64(p), torch.float32, name)
     cases.check_against_reference(threaded, ref, x, w, b, dy, torch.float32)
+
+
+def test_threads_rule(monkeypatch):
+    # a launch from C++ splits from NATIVE_SERIAL_BELOW, one from Python from SERIAL_BELOW;
+    # channels_last plans have no C++ callbacks, NCHW planes do (where the node builds)
+    from normkit import grouping as G
+    from normkit.backends import cpu
+    from normkit.backends.cpu import native
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(tuning, "SERIAL_BELOW", 2000)
+    monkeypatch.setattr(tuning, "NATIVE_SERIAL_BELOW", 500)
+    x = torch.zeros(3, 6, 9, 11)                                     # 1782 elements
+    assert tuning.threads(x) == 1 and tuning.threads(x, native=True) == 4
+    assert cpu.plan(x.to(memory_format=torch.channels_last), G.batch(x.shape)).threads == 1
+    assert cpu.plan(x, G.batch(x.shape)).threads == (4 if native.threads_in_cpp() else 1)
 
 
 def test_stream_out_rule(monkeypatch):

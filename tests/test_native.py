@@ -109,6 +109,7 @@ def test_both_sides_of_the_serial_threshold(op, monkeypatch):
     got = {}
     for below, threads in ((x.numel() + 1, 1), (x.numel(), 3)):
         monkeypatch.setattr(tuning, "SERIAL_BELOW", below)
+        monkeypatch.setattr(tuning, "NATIVE_SERIAL_BELOW", below)
         backends.clear_plans()
         assert tuning.threads(x) == threads
         got[threads] = _both_paths(fn, x, w, b, dy)

@@ -42,7 +42,7 @@ from numba import cfunc, types
 from normkit.backends import _parallel
 from normkit.backends.cpu import entries
 
-__all__ = ["extension", "node", "enabled", "switch"]
+__all__ = ["extension", "node", "enabled", "switch", "threads_in_cpp"]
 
 SIGNATURE = types.void(types.CPointer(types.int64), types.float64)
 SUMS, LO, HI = 21, 22, 23           # native.cpp: kSums, kLo, kHi
@@ -188,6 +188,13 @@ def _family(plan):
                 False)
     return (_planes, ncs + [plan.groups, fixed, plan.ahead],
             ncs + [plan.groups, center, fixed, plan.ahead], False)
+
+
+def threads_in_cpp() -> bool:
+    """Whether a plan of the rows or planes family would run its threads from its C++ node
+    (the extension loaded, torch's OpenMP runtime found): ``tuning.threads`` splits
+    smaller inputs then."""
+    return _parallel.backend() == "openmp" and extension() is not None
 
 
 def node(plan, x):

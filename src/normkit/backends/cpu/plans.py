@@ -32,7 +32,7 @@ import torch
 from normkit.backends._memory import HUGE_MIN_BYTES, empty_like, huge_pages_advised
 from normkit.backends._parallel import launch
 from normkit.backends.cpu import channels_last as cl
-from normkit.backends.cpu import entries, tuning
+from normkit.backends.cpu import entries, native, tuning
 from normkit.backends.torch_ops import rstd_from_var, stat_dtype
 
 __all__ = ["RowsPlan", "PlanesPlan", "ChannelsLastPlan", "np_view"]
@@ -73,6 +73,9 @@ class _Plan:
 
     native = None
 
+    #: whether this family has C++ callbacks (``native``): its threads may start from C++
+    in_cpp = False
+
     def __init__(self, x, grouping, center, fixed, params):
         self.grouping, self.center, self.fixed = grouping, bool(center), bool(fixed)
         self.sdtype = stat_dtype(x.dtype)
@@ -80,7 +83,7 @@ class _Plan:
         self.proto = np.empty(0, np_view(x[:0]).dtype)              # storage dtype
         self.sproto = np.empty(0, self.st)                         # statistics dtype
         self.itemsize = x.element_size()
-        self.threads = tuning.threads(x)
+        self.threads = tuning.threads(x, self.in_cpp and native.threads_in_cpp())
         self.stat_shape = grouping.stat_shape
         self.stat_count = math.prod(self.stat_shape)
         self.params = params                                       # elements per weight
@@ -158,6 +161,8 @@ def _outputs(y, stats, keep_stats):
 class RowsPlan(_Plan):
     """LayerNorm / RMSNorm over the rows of a contiguous (M, K) view."""
 
+    in_cpp = True
+
     def __init__(self, x, grouping, center, fixed):
         self.m, self.k = grouping.view
         super().__init__(x, grouping, center, fixed, self.k)
@@ -212,6 +217,8 @@ class _ChannelsPlan(_Plan):
 class PlanesPlan(_ChannelsPlan):
     """Contiguous NCHW: per channel (BatchNorm, blocks of channels) or per (sample,
     group) of planes (Instance/GroupNorm)."""
+
+    in_cpp = True
 
     def __init__(self, x, grouping, center, fixed):
         super().__init__(x, grouping, center, fixed)

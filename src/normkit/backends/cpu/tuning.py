@@ -15,15 +15,22 @@ from normkit.backends import _memory
 
 # ---- threads --------------------------------------------------------------------------
 
-#: elements: a smaller input runs on the calling thread only, because handing a range to
-#: another thread (waking torch's OpenMP team, each member taking the GIL for its Python
-#: callback) costs 30-90 us, more than the work on the other thread saves below this size
+#: elements: a smaller input launched from Python runs on the calling thread only,
+#: because handing a range to another thread (waking torch's OpenMP team, each member
+#: taking the GIL for its Python callback) costs 30-90 us, more than the work on the
+#: other thread saves below this size
 SERIAL_BELOW = 1 << 19
 
+#: elements: the same for a plan whose C++ node opens the parallel region itself (no
+#: Python, no GIL: a few microseconds), where threads win from about 2^16 elements
+NATIVE_SERIAL_BELOW = 1 << 17
 
-def threads(x) -> int:
-    """Ranges (threads) to split the work on ``x`` into: torch's thread count, or 1."""
-    return 1 if x.numel() < SERIAL_BELOW else max(1, torch.get_num_threads())
+
+def threads(x, native=False) -> int:
+    """Ranges (threads) to split the work on ``x`` into: torch's thread count, or 1;
+    ``native``: the C++ node would launch them (``native.threads_in_cpp``)."""
+    below = NATIVE_SERIAL_BELOW if native else SERIAL_BELOW
+    return 1 if x.numel() < below else max(1, torch.get_num_threads())
 
 
 def parts(n, s, threads):
