@@ -160,9 +160,7 @@ def _work(plan):
     Python ``run`` splits the work (``plans``): rows over M forward and over one chunk per
     thread backward, each chunk with its (K,) partial gradients; planes over their units
     both ways, a threaded backward leaving (2, N, C) sums."""
-    from normkit.backends.cpu.plans import RowsPlan
-
-    if isinstance(plan, RowsPlan):
+    if plan.cpp_family == "rows":
         return [plan.m, plan.threads, plan.threads, ROW_CHUNKS, plan.threads]
     return [plan.units, plan.units, plan.threads, PLANE_SUMS, plan.n]
 
@@ -170,12 +168,10 @@ def _work(plan):
 def _family(plan):
     """(callback family, forward constants, backward constants, zero the gradients) of a
     Python plan (``plans``), or None where the family has no callbacks."""
-    from normkit.backends.cpu.plans import PlanesPlan, RowsPlan
-
-    if isinstance(plan, RowsPlan):
+    if plan.cpp_family == "rows":
         consts = [plan.m, plan.k, int(plan.center), plan.ahead]
         return _rows, consts, consts + [plan.threads], True
-    if not isinstance(plan, PlanesPlan):
+    if plan.cpp_family != "planes":
         return None
     ncs, center, fixed = list(plan.ncs), int(plan.center), int(plan.fixed)
     if plan.by_channel and plan.small:

@@ -73,8 +73,9 @@ class _Plan:
 
     native = None
 
-    #: whether this family has C++ callbacks (``native``): its threads may start from C++
-    in_cpp = False
+    #: the family's C++ callbacks (``native``: "rows" or "planes"), None where it has none;
+    #: a plan with them may start its threads from C++
+    cpp_family = None
 
     def __init__(self, x, grouping, center, fixed, params):
         self.grouping, self.center, self.fixed = grouping, bool(center), bool(fixed)
@@ -83,7 +84,8 @@ class _Plan:
         self.proto = np.empty(0, np_view(x[:0]).dtype)              # storage dtype
         self.sproto = np.empty(0, self.st)                         # statistics dtype
         self.itemsize = x.element_size()
-        self.threads = tuning.threads(x, self.in_cpp and native.threads_in_cpp())
+        self.threads = tuning.threads(x, self.cpp_family is not None
+                                      and native.threads_in_cpp())
         self.stat_shape = grouping.stat_shape
         self.stat_count = math.prod(self.stat_shape)
         self.params = params                                       # elements per weight
@@ -161,7 +163,7 @@ def _outputs(y, stats, keep_stats):
 class RowsPlan(_Plan):
     """LayerNorm / RMSNorm over the rows of a contiguous (M, K) view."""
 
-    in_cpp = True
+    cpp_family = "rows"
 
     def __init__(self, x, grouping, center, fixed):
         self.m, self.k = grouping.view
@@ -218,7 +220,7 @@ class PlanesPlan(_ChannelsPlan):
     """Contiguous NCHW: per channel (BatchNorm, blocks of channels) or per (sample,
     group) of planes (Instance/GroupNorm)."""
 
-    in_cpp = True
+    cpp_family = "planes"
 
     def __init__(self, x, grouping, center, fixed):
         super().__init__(x, grouping, center, fixed)
