@@ -198,6 +198,19 @@ def test_bench_models_quick_json(capsys):
     assert all(r["normkit_us"] > 0 and r["torch_us"] > 0 for r in report["calls"])
 
 
+def test_bench_models_control_times_an_untouched_copy(capsys):
+    from normkit.bench.models import format_models
+    from normkit.cli import main
+
+    rc = main(["bench", "--models", "--quick", "--json", "--no-progress", "--repeats", "1",
+               "--control"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["models"]
+    assert all(r["control"] > 0 for r in rows)
+    assert format_models(rows).splitlines()[0].endswith("control")
+    assert "control" not in format_models([dict(rows[0], control=None)]).splitlines()[0]
+
+
 def test_bench_models_rejects_unknown_names(capsys):
     from normkit.cli import main
 

@@ -8,7 +8,9 @@
   update; an *infer* step is a no-grad forward in eval mode. The two models alternate
   step by step after a warm-up each (numba compiles on first use); each repeat times
   ``steps`` steps of each, and the best repeat of each is kept (wall time: the models use
-  every thread). The ratio is converted / untouched: below 1 normkit is faster.
+  every thread). The ratio is converted / untouched: below 1 normkit is faster. With
+  ``--control`` an untouched copy runs alongside: its ratio shows the spread of the
+  measurement itself on the machine (two equal models).
 * **calls**: one small norm call, normkit's layer against torch.nn's, forward without
   grad and forward + backward (``layer(x).sum().backward()``), on one thread; the best of
   ``repeats`` rounds of the calling thread's CPU time per call, in microseconds.
@@ -134,6 +136,11 @@ def _pair(build):
     return plain, report.model, len(report.swapped) + len(report.routed)
 
 
+def _spread(best, key):
+    """The ``key`` model's time over the untouched one's (None without that model)."""
+    return best[key] / best["untouched"] if key in best else None
+
+
 def _time_steps(fn, model, opt, x, steps):
     cuda = x.device.type == "cuda"
     if cuda:
@@ -146,15 +153,20 @@ def _time_steps(fn, model, opt, x, steps):
     return (time.perf_counter() - start) / steps
 
 
-def measure_model(name, mode, repeats=5, min_seconds=0.3, device="cpu"):
+def measure_model(name, mode, repeats=5, min_seconds=0.3, device="cpu", control=False):
     """One row: best step time of each model and the ratio converted / untouched (on
-    ``device``: a CUDA step is timed from synchronize to synchronize)."""
+    ``device``: a CUDA step is timed from synchronize to synchronize). ``control``: a
+    third model, an untouched copy, timed the same way in the same rounds; its ratio to
+    the untouched one (``control``) is the measurement's own spread, what a ratio of two
+    equal models reads on this machine."""
     desc, build, make_input, _ = MODELS[name]
     plain, converted, count = _pair(build)
     plain, converted = plain.to(device), converted.to(device)
     x = make_input().to(device)
     fn = train_step if mode == "train" else infer_step
     pair = {"untouched": plain, "converted": converted}
+    if control:
+        pair["control"] = copy.deepcopy(plain)
     opts = {}
     for key, model in pair.items():
         model.train(mode == "train")
@@ -170,17 +182,18 @@ def measure_model(name, mode, repeats=5, min_seconds=0.3, device="cpu"):
                 norms_converted=count,
                 steps_per_repeat=steps, untouched_ms=best["untouched"] * 1e3,
                 converted_ms=best["converted"] * 1e3,
-                ratio=best["converted"] / best["untouched"])
+                ratio=best["converted"] / best["untouched"], control=_spread(best, "control"))
 
 
-def run_models(names=None, repeats=5, progress=None, device="cpu"):
+def run_models(names=None, repeats=5, progress=None, device="cpu", control=False):
     """Every (model, mode) row of ``names`` (default: all); a row whose library is missing
     becomes ``{"model", "mode", "skipped": reason}``."""
     rows = []
     for name in names or MODELS:
         for mode in MODELS[name][3]:
             try:
-                rows.append(measure_model(name, mode, repeats, device=device))
+                rows.append(measure_model(name, mode, repeats, device=device,
+                                          control=control))
             except ImportError as exc:
                 rows.append(dict(model=name, mode=mode, description=MODELS[name][0],
                                  skipped=f"needs {exc.name or exc}"))
@@ -252,14 +265,16 @@ def run_calls(calls=300, repeats=15):
 # ---------------------------------------------------------------------------- printing
 
 def format_models(rows):
+    control = any(r.get("control") is not None for r in rows)
     lines = [f"{'model':16s} {'mode':5s} {'norms':>5s} {'untouched ms':>13s} "
-             f"{'converted ms':>13s} {'ratio':>6s}"]
+             f"{'converted ms':>13s} {'ratio':>6s}" + ("  control" if control else "")]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['model']:16s} {r['mode']:5s} skipped: {r['skipped']}")
             continue
         lines.append(f"{r['model']:16s} {r['mode']:5s} {r['norms_converted']:5d} "
-                     f"{r['untouched_ms']:13.2f} {r['converted_ms']:13.2f} {r['ratio']:6.3f}")
+                     f"{r['untouched_ms']:13.2f} {r['converted_ms']:13.2f} {r['ratio']:6.3f}"
+                     + (f"  {r['control']:7.3f}" if r.get("control") is not None else ""))
     return "\n".join(lines)
 
 

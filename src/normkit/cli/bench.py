@@ -37,6 +37,10 @@ def register(subparsers):
                         "(normkit.bench.models); names restrict the models: "
                         "siglip resnet18 resnet18-small study-cnn-b2 study-cnn-b32 llama "
                         "gemma (default: all; with --quick: study-cnn-b2)")
+    p.add_argument("--control", action="store_true",
+                   help="with --models: time an untouched copy of each model alongside; its "
+                        "ratio to the untouched model (column control) is the measurement's "
+                        "own spread on this machine")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the Triton kernels vs torch and Liger-Kernel (if installed) "
                         "in GB/s and as a fraction of the memory bandwidth "
@@ -88,7 +92,8 @@ def _models(args) -> int:
             print(bench.format_models([row]).splitlines()[-1], file=sys.stderr, flush=True)
 
     report = {"threads": args.threads, "device": device,
-              "models": bench.run_models(names, repeats=repeats, progress=show, device=device),
+              "models": bench.run_models(names, repeats=repeats, progress=show, device=device,
+                                         control=args.control),
               # the per-call table times the calling thread's CPU: CPU tensors only
               "calls": [] if device == "cuda" else bench.run_calls(
                   calls=50 if args.quick else 300, repeats=3 if args.quick else 15)}

@@ -127,6 +127,13 @@ def channels_forward(at, ncs, proto, sproto, eps, fixed, from_var, block, stream
 
 
 @njit(**JIT)
+def channels_fixed(at, ncs, proto, sproto, eps, from_var, small, out, lo, hi):
+    """Eval BatchNorm over the N * C planes (``planes.channels_fixed``)."""
+    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[1], proto, sproto, eps, from_var)
+    planes.channels_fixed(x, y, w, b, stats, small, out, lo, hi)
+
+
+@njit(**JIT)
 def planes_small(at, ncs, groups, proto, sproto, eps, fixed, from_var, lo, hi):
     x, y, w, b, stats = _forward_arrays(at, ncs, ncs[0] * groups, proto, sproto, eps,
                                         from_var)

@@ -139,6 +139,24 @@ def _planes(proto, sproto):
     return forward, backward
 
 
+def _channels_fixed(proto, sproto):
+    """constants (N, C, S, ahead, small) forward (eval BatchNorm over the N * C planes);
+    the backward of ``_channels``, with its constants."""
+    @cfunc(SIGNATURE, cache=True)
+    def forward(a, eps):
+        entries.channels_fixed((a[0], a[1], a[2], a[3], a[4], a[5], a[6]), (a[8], a[9], a[10]),
+                               proto, sproto, eps, a[7] != 0, a[12] != 0, (False, a[11]),
+                               a[LO], a[HI])
+
+    return forward, _kernels(_channels, proto, sproto)[1]
+
+
+def _channels_fixed_small(proto, sproto):
+    """``_channels_fixed``'s forward, the backward of ``_channels_small``."""
+    return (_kernels(_channels_fixed, proto, sproto)[0],
+            _kernels(_channels_small, proto, sproto)[1])
+
+
 _KERNELS = {}
 
 
@@ -162,7 +180,7 @@ def _work(plan):
     both ways, a threaded backward leaving (2, N, C) sums."""
     if plan.cpp_family == "rows":
         return [plan.m, plan.threads, plan.threads, ROW_CHUNKS, plan.threads]
-    return [plan.units, plan.units, plan.threads, PLANE_SUMS, plan.n]
+    return [plan.forward_units, plan.units, plan.threads, PLANE_SUMS, plan.n]
 
 
 def _family(plan):
@@ -174,6 +192,11 @@ def _family(plan):
     if plan.cpp_family != "planes":
         return None
     ncs, center, fixed = list(plan.ncs), int(plan.center), int(plan.fixed)
+    if plan.by_channel and plan.fixed:
+        family = _channels_fixed_small if plan.small else _channels_fixed
+        backward = ncs + [center, fixed] if plan.small else ncs + [plan.block_bwd, center,
+                                                                    fixed]
+        return family, ncs + [plan.ahead, int(plan.small)], backward, False
     if plan.by_channel and plan.small:
         return _channels_small, ncs + [fixed], ncs + [center, fixed], False
     if plan.small:

@@ -38,7 +38,7 @@ from normkit.backends.cpu.moments import plane_merge
 from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.stores import fence, store_affine_scalar, store_dx_rows_planes
 
-__all__ = ["channels_backward", "channels_forward", "channels_small",
+__all__ = ["channels_backward", "channels_fixed", "channels_forward", "channels_small",
            "channels_small_backward", "planes_backward", "planes_forward", "planes_small",
            "planes_small_backward"]
 
@@ -174,6 +174,35 @@ def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, lo, hi):
                 store_affine_scalar(y[n, c], (x[n, c],),
                                     (load(x[0, c], 0), mean_x0[c - c0], rstd[c] * w[c], b[c]),
                                     (x[0, 0, :0], x[0, 0, :0]), stream)
+    if stream:
+        fence()
+
+
+@njit(**JIT)
+def channels_fixed(x, y, w, b, stats, small, out, lo, hi):
+    """BatchNorm with given statistics (eval): the (n, c) planes [lo, hi) of x: (N, C, S),
+    counted n * C + c, in memory order, each ``y = ((x - x0) - (mean - x0)) * (rstd * w) + b``
+    with its channel's statistics and x0 = x[0, c, 0] -- the arithmetic of
+    ``channels_forward`` and ``channels_small`` with fixed statistics. Split like an
+    elementwise op, a thread's range is contiguous memory: the planes its neighbours in a
+    model (a convolution before, an activation after) leave in, or take from, the same
+    core's cache. ``small`` planes (``tuning.SMALL_PLANE``) in a plain loop, as
+    ``channels_small``. stats per channel, (C,)."""
+    mean, rstd, _ = stats
+    stream, ahead = out
+    c_, s_ = x.shape[1], x.shape[2]
+    for u in range(lo, hi):
+        n, c = u // c_, u % c_
+        x0 = load(x[0, c], 0)
+        mean_x0, scale, shift = like(mean, mean[c] - x0), rstd[c] * w[c], b[c]
+        if small:
+            xr, yr = x[n, c], y[n, c]
+            for i in range(s_):
+                store(yr, i, ((load(xr, i) - x0) - mean_x0) * scale + shift)
+        else:
+            store_affine_scalar(y[n, c], (x[n, c],), (x0, mean_x0, scale, shift),
+                                (_plane_ahead(x, n, c, ahead, lo, hi - 1), x[0, 0, :0]),
+                                stream)
     if stream:
         fence()
 
