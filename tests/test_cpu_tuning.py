@@ -44,6 +44,36 @@ def test_serial_and_threaded_runs_agree(op, shape, layout, monkeypatch):
     cases.check_against_reference(threaded, ref, x, w, b, dy, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(3, 6, 5, 7), (3, 6, 17, 17)], ids=str)   # small planes, not
+def test_eval_batch_norm_serial_by_channel_threaded_by_plane(shape, dtype, monkeypatch):
+    # one thread walks channels, several walk the N * C planes in memory order, ranges
+    # cutting through samples: the same formula, the same bits, and torch's values
+    torch.manual_seed(0)
+    x = (torch.randn(shape, dtype=torch.float64) * 3 + 40).to(dtype)
+    layer = torch.nn.BatchNorm2d(shape[1]).eval()
+    layer.running_mean.uniform_(35, 45), layer.running_var.uniform_(5, 15)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 2), layer.bias.uniform_(-1, 1)
+    layer = layer.to(dtype)
+    import normkit.functional as NF
+    from normkit import backends
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    got = []
+    for below in (1 << 60, 0):
+        monkeypatch.setattr(tuning, "SERIAL_BELOW", below)
+        monkeypatch.setattr(tuning, "NATIVE_SERIAL_BELOW", below)
+        backends.clear_plans()
+        with torch.no_grad():
+            got.append(NF.batch_norm(x, layer.running_mean, layer.running_var, layer.weight,
+                                     layer.bias, False))
+    assert torch.equal(got[0], got[1])
+    with torch.no_grad():
+        want = layer(x)
+    cases.close(cases.np64(got[1]), cases.np64(want), dtype, "y")
+
+
 def test_threads_rule(monkeypatch):
     # a launch from C++ splits from NATIVE_SERIAL_BELOW, one from Python from SERIAL_BELOW;
     # channels_last plans have no C++ callbacks, NCHW planes do (where the node builds)

@@ -192,7 +192,7 @@ def _family(plan):
     if plan.cpp_family != "planes":
         return None
     ncs, center, fixed = list(plan.ncs), int(plan.center), int(plan.fixed)
-    if plan.by_channel and plan.fixed:
+    if plan.plane_order:
         family = _channels_fixed_small if plan.small else _channels_fixed
         backward = ncs + [center, fixed] if plan.small else ncs + [plan.block_bwd, center,
                                                                     fixed]

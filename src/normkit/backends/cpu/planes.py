@@ -186,13 +186,17 @@ def channels_fixed(x, y, w, b, stats, small, out, lo, hi):
     ``channels_forward`` and ``channels_small`` with fixed statistics. Split like an
     elementwise op, a thread's range is contiguous memory: the planes its neighbours in a
     model (a convolution before, an activation after) leave in, or take from, the same
-    core's cache. ``small`` planes (``tuning.SMALL_PLANE``) in a plain loop, as
+    core's cache (threaded plans only: on one thread the channel loops cost less). ``small`` planes (``tuning.SMALL_PLANE``) in a plain loop, as
     ``channels_small``. stats per channel, (C,)."""
     mean, rstd, _ = stats
     stream, ahead = out
     c_, s_ = x.shape[1], x.shape[2]
+    n, c = lo // c_, lo % c_
     for u in range(lo, hi):
-        n, c = u // c_, u % c_
+        if u > lo:                                                 # (n, c) of plane u
+            c += 1
+            if c == c_:
+                n, c = n + 1, 0
         x0 = load(x[0, c], 0)
         mean_x0, scale, shift = like(mean, mean[c] - x0), rstd[c] * w[c], b[c]
         if small:

@@ -227,8 +227,10 @@ class PlanesPlan(_ChannelsPlan):
         self.by_channel = grouping.kind == "batch"
         self.small = self.s < tuning.SMALL_PLANE
         self.units = self.c if self.by_channel else self.n * self.groups
-        # given statistics (eval BatchNorm): the N * C planes in memory order, one by one
-        self.forward_units = self.n * self.c if self.by_channel and fixed else self.units
+        # given statistics (eval BatchNorm) on several threads: the N * C planes in memory
+        # order (``planes.channels_fixed``; on one thread the channel loops cost less)
+        self.plane_order = self.by_channel and self.fixed and self.threads > 1
+        self.forward_units = self.n * self.c if self.plane_order else self.units
         self.ncs = (self.n, self.c, self.s)
         # (no larger than C: each kernel call allocates its per-block scratch)
         self.block = min(self.c, tuning.channel_block(self.n * self.s * self.itemsize))
@@ -250,7 +252,7 @@ class PlanesPlan(_ChannelsPlan):
         at = (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr(), *addresses)
         args = (self.proto, self.sproto, float(eps), self.fixed, from_var)
         stream = self.stream(y)
-        if self.by_channel and self.fixed:
+        if self.plane_order:
             self.run(entries.channels_fixed, self.forward_units, at, self.ncs, self.proto,
                      self.sproto, float(eps), from_var, self.small, (stream, self.ahead))
         elif self.small and self.by_channel:
