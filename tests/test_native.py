@@ -286,7 +286,7 @@ def test_eval_layer_keeps_its_node_and_matches_the_full_path_and_torch():
     ours, theirs, x = _eval_bn()
     with torch.no_grad():
         y = ours(x)
-        assert ours.__dict__["_eval_node"][1] is not None     # the kept node ran
+        assert ours.__dict__["_eval_node"][1][0] is not None     # the kept node ran
         full = NF.batch_norm(x, ours.running_mean, ours.running_var, ours.weight, ours.bias)
         torch.testing.assert_close(y, full, rtol=0, atol=0)
         torch.testing.assert_close(y, theirs(x))
@@ -317,10 +317,10 @@ def test_eval_layer_node_is_dropped_with_the_plans_and_not_copied():
         ours(x)
         native.switch(False)                                   # clear_plans: a new epoch
         torch.testing.assert_close(ours(x), theirs(x))
-        assert ours.__dict__["_eval_node"][1] is None          # no node: the full path ran
+        assert ours.__dict__["_eval_node"][1][0] is None          # no node: the full path ran
         native.switch(True)
         ours(x)
-        assert ours.__dict__["_eval_node"][1] is not None
+        assert ours.__dict__["_eval_node"][1][0] is not None
     for twin in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
         assert "_eval_node" not in twin.__dict__
         with torch.no_grad():
@@ -354,7 +354,7 @@ def test_training_layer_keeps_its_node_and_matches_torch(dtype):
             xs = [x.clone().requires_grad_(grad) for _ in range(2)]
             with torch.set_grad_enabled(grad):
                 y, ty = ours(xs[0]), theirs(xs[1])
-            assert ours.__dict__["_train_node"][1] is not None   # the kept node ran
+            assert ours.__dict__["_train_node"][1][0] is not None   # the kept node ran
             torch.testing.assert_close(y, ty, **tol)
             if grad:
                 y.square().sum().backward()
@@ -370,3 +370,90 @@ def test_training_layer_one_value_per_channel_still_refused():
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         bn(torch.randn(1, 4))
     assert int(bn.num_batches_tracked) == 1            # counted once, as torch does
+
+
+# ---- LayerNorm, GroupNorm, RMSNorm layers keep their node too (nn._kept.KeptNode) --------
+
+PER_SAMPLE = {
+    "layer": (lambda m: m.LayerNorm(16), (4, 5, 16)),
+    "group": (lambda m: m.GroupNorm(2, 6), (3, 6, 5, 4)),
+    "rms": (lambda m: m.RMSNorm(16), (4, 5, 16)),
+    "rms-eps": (lambda m: m.RMSNorm(16, eps=1e-3), (4, 5, 16)),
+}
+
+
+def _per_sample(name, dtype=torch.float32):
+    make, shape = PER_SAMPLE[name]
+    torch.manual_seed(0)
+    ours, theirs = make(nknn).to(dtype), make(torch.nn).to(dtype)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        if getattr(ours, "bias", None) is not None:
+            ours.bias.uniform_(-1, 1)
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs, torch.randn(shape).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(PER_SAMPLE))
+def test_per_sample_layer_keeps_its_node_and_matches_torch(name, dtype):
+    ours, theirs, x = _per_sample(name, dtype)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    gtol = dict(rtol=5e-2, atol=2.5e-1) if dtype == torch.bfloat16 else {}   # conftest's
+    for grad in (True, False):
+        xs = [x.clone().requires_grad_(grad) for _ in range(2)]
+        with torch.set_grad_enabled(grad):
+            y, ty = ours(xs[0]), theirs(xs[1])
+        assert ours.__dict__["_node"][1][0] is not None          # the kept node ran
+        torch.testing.assert_close(y, ty, **tol)
+        if grad:
+            y.square().sum().backward()
+            ty.square().sum().backward()
+            torch.testing.assert_close(xs[0].grad, xs[1].grad, **gtol)
+            torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, **gtol)
+    with torch.no_grad():                                      # bit for bit the full path
+        full = {"layer": lambda: NF.layer_norm(x, (16,), ours.weight, ours.bias),
+                "group": lambda: NF.group_norm(x, 2, ours.weight, ours.bias),
+                "rms": lambda: NF.rms_norm(x, (16,), ours.weight),
+                "rms-eps": lambda: NF.rms_norm(x, (16,), ours.weight, 1e-3)}[name]()
+        torch.testing.assert_close(ours(x), full, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["layer", "group", "rms"])
+def test_per_sample_layer_refusals_take_the_full_path(name):
+    import copy
+    import pickle
+
+    ours, theirs, x = _per_sample(name)
+    with torch.no_grad():
+        ours(x)
+        ours.weight.data = torch.ones(5)                       # same Parameter, wrong size
+        with pytest.raises(RuntimeError):
+            ours(x)
+        ours.weight.data = theirs.weight.data.clone()
+        with pytest.raises(RuntimeError):                      # another input: checked
+            ours(torch.randn(3, 7, 5, 4) if name == "group" else torch.randn(4, 5, 17))
+        ours.double(), theirs.double()                         # a new key: rebuilt
+        torch.testing.assert_close(ours(x.double()), theirs(x.double()))
+        native.switch(False)                                   # a new epoch: no node
+        torch.testing.assert_close(ours(x.double()), theirs(x.double()))
+        assert ours.__dict__["_node"][1][0] is None
+        native.switch(True)
+    for twin in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
+        assert "_node" not in twin.__dict__
+    sub = type("Sub", (type(ours),), {})                       # subclasses: the full path
+    layer = copy.deepcopy(ours)
+    layer.__class__ = sub
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x.double()), theirs(x.double()))
+    assert "_node" not in layer.__dict__
+
+
+def test_rms_norm_layer_with_an_offset_or_a_casting_takes_the_full_path():
+    layer = nknn.RMSNorm(16, offset=1.0, casting="gemma")
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        y = layer(x)
+        torch.testing.assert_close(y, NF.rms_norm(x, (16,), layer.weight, offset=1.0,
+                                                  casting="gemma"), rtol=0, atol=0)
+    assert "_node" not in layer.__dict__                       # nothing kept

@@ -8,11 +8,12 @@ from normkit import backends
 from normkit import functional as F
 from normkit import grouping as G
 from normkit.nn._base import NormBase
+from normkit.nn._kept import KeptNode
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
 
 
-class _BatchNorm(NormBase):
+class _BatchNorm(KeptNode, NormBase):
     _accepted_dims: tuple = ()
 
     def _check_input_dim(self, input) -> None:
@@ -21,43 +22,28 @@ class _BatchNorm(NormBase):
             raise ValueError(f"expected {want} input (got {input.dim()}D input of size "
                              f"{list(input.shape)}) for {type(self).__name__}")
 
-    def __getstate__(self):
-        state = super().__getstate__()
-        state.pop("_eval_node", None)      # C++ plans of this process: built again on use
-        state.pop("_train_node", None)
-        return state
-
     def _kept_node(self, x, slot, fixed):
-        """``(node, unbias)`` of the plan for ``x`` kept in ``slot`` (None: the full path
-        runs), or None for an input the full path must see (another dimension count)."""
-        key = (x.shape, x.dtype, torch.get_num_threads(), backends.plan_epoch)
-        kept = self.__dict__.get(slot)
-        if kept is None or kept[0] != key:
+        """``(node, unbias)`` of the plan for ``x`` kept in ``slot`` (``_kept``; the node
+        None: the full path runs), or None for an input the full path must see (another
+        dimension count)."""
+        def build(x):
             if x.dim() not in self._accepted_dims:
                 return None
             grouping = G.batch(x.shape)
             n = grouping.group_size
             node = backends.plan(x, grouping, True, fixed).native if n > 1 else None
-            self.__dict__[slot] = kept = (key, node, n / (n - 1) if n > 1 else 0.0)
-        return kept[1], kept[2]
+            return node, n / (n - 1) if n > 1 else 0.0
+        return self._kept(x, slot, build)
 
     def _own_tensors(self):
         """``(weight, bias, running_mean, running_var)`` from the module's own dicts (past
         ``Module.__getattr__``), or None where the running statistics are missing or a
         parameter was taken out of them (the full path runs)."""
-        params, buffers = self._parameters, self._buffers
+        buffers, params = self._buffers, self._own_params()
         running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
-        if running_mean is None or running_var is None or "weight" not in params \
-                or "bias" not in params:
+        if running_mean is None or running_var is None or params is None:
             return None
-        return params["weight"], params["bias"], running_mean, running_var
-
-    def _plain_call(self, x) -> bool:
-        """Whether this call may take a kept node: eager, a plain CPU tensor, an exact
-        normkit class (a subclass, parametrized layers too, takes the full path)."""
-        return not (torch.compiler.is_compiling() or type(x) is not torch.Tensor
-                    or type(self) not in _PLAIN or torch._C._len_torch_dispatch_stack()
-                    or not x.is_contiguous())
+        return (*params, running_mean, running_var)
 
     def _train_node_call(self, x, factor):
         """Training with running statistics: the kept node of this input's plan, with the
@@ -70,8 +56,7 @@ class _BatchNorm(NormBase):
             return None
         (node, unbias), (w, b, running_mean, running_var) = kept, own
         try:
-            if torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)
-                                            or (b is not None and b.requires_grad)):
+            if self._needs_graph(x, w, b):
                 out = node.apply(x, w, b, self.eps, None, None, None, True, running_mean,
                                  running_var, factor, unbias)
             else:
@@ -84,14 +69,9 @@ class _BatchNorm(NormBase):
         return out[0]
 
     def _eval_node_call(self, x):
-        """Eval without a gradient, on a CPU tensor whose plan has a C++ node: that node,
-        kept on the layer per (shape, dtype, threads, plans), called with the layer's own
-        tensors -- no grouping, checks or plan lookup in Python, which cost several times
-        more between a model's convolutions than alone (docs/performance.md). None where
-        the full path runs: tracing, grad, a subclass (parametrized layers are), no running
-        statistics, or a tensor the node refuses (another dtype, size or device after
-        ``.half()``, ``.to()`` or ``.data = ...``), which the full path converts or
-        rejects with its message."""
+        """Eval without a gradient: the kept node (``normkit.nn._kept``) called with the
+        layer's running statistics as fixed ones. None where the full path runs: grad,
+        no running statistics, or any case ``_kept`` lists."""
         if torch.is_grad_enabled() or not self._plain_call(x):
             return None
         kept, own = self._kept_node(x, "_eval_node", True), self._own_tensors()
@@ -192,4 +172,4 @@ class BatchNorm3d(_BatchNorm):
     _accepted_dims = (5,)
 
 
-_PLAIN = (BatchNorm1d, BatchNorm2d, BatchNorm3d)   # exact classes: _eval_node_call
+_BatchNorm._plain_classes = (BatchNorm1d, BatchNorm2d, BatchNorm3d)   # see KeptNode

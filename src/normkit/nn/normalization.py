@@ -8,8 +8,10 @@ import numbers
 import torch
 from torch import nn
 
+from normkit import backends
 from normkit import functional as F
 from normkit.nn._base import check_eps, init_affine, reset_affine
+from normkit.nn._kept import KeptNode
 from normkit.rms_casting import check_casting
 
 __all__ = ["LayerNorm", "GroupNorm", "RMSNorm"]
@@ -25,7 +27,7 @@ def _as_shape(normalized_shape, cls_name) -> tuple:
     return shape
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(KeptNode, nn.Module):
     r"""Layer normalization over the trailing ``normalized_shape`` dims (Ba et al., 2016).
 
     .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
@@ -65,7 +67,24 @@ class LayerNorm(nn.Module):
     def reset_parameters(self) -> None:
         reset_affine(self)
 
+    def _build(self, x):
+        """(node, None) of the plan for ``x`` (``KeptNode``), None for an input the full path
+        must check (its trailing dims or the parameters' shapes are not normalized_shape)."""
+        k, shape = len(self.normalized_shape), self.normalized_shape
+        params = self._own_params()
+        if (params is None or x.dim() < k or tuple(x.shape[x.dim() - k:]) != shape
+                or any(p is not None and p.shape != shape for p in params)):
+            return None
+        return backends.plan(x, F._layer(x.shape, k), True, False).native, None
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._plain_call(input):
+            params = self._own_params()
+            if params is not None:
+                y = self._call_node(input, self._kept(input, "_node", self._build), self.eps,
+                                    *params)
+                if y is not None:
+                    return y
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -73,7 +92,7 @@ class LayerNorm(nn.Module):
                 f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}")
 
 
-class GroupNorm(nn.Module):
+class GroupNorm(KeptNode, nn.Module):
     r"""Group normalization (Wu & He, 2018) over ``(N, C, *)``.
 
     .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
@@ -120,7 +139,23 @@ class GroupNorm(nn.Module):
     def reset_parameters(self) -> None:
         reset_affine(self)
 
+    def _build(self, x):
+        """(node, None) of the plan for ``x`` (``KeptNode``), None for an input the full path
+        must check (fewer than 2 dims, channels not num_channels)."""
+        params = self._own_params()
+        if (params is None or x.dim() < 2 or x.shape[1] != self.num_channels
+                or any(p is not None and p.numel() != self.num_channels for p in params)):
+            return None
+        return backends.plan(x, F._group(x.shape, self.num_groups), True, False).native, None
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._plain_call(input):
+            params = self._own_params()
+            if params is not None:
+                y = self._call_node(input, self._kept(input, "_node", self._build), self.eps,
+                                    *params)
+                if y is not None:
+                    return y
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -128,7 +163,7 @@ class GroupNorm(nn.Module):
                 f"affine={self.affine}, bias={self.bias is not None}")
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(KeptNode, nn.Module):
     r"""Root-mean-square normalization (Zhang & Sennrich, 2019): LayerNorm without
     centering.
 
@@ -178,7 +213,26 @@ class RMSNorm(nn.Module):
         if self.weight is not None:
             nn.init.constant_(self.weight, 1.0 - self.offset)   # offset + weight = 1
 
+    def _build(self, x):
+        """(node, eps) of the plan for ``x`` (``KeptNode``; eps None: the dtype's), None
+        for an input the full path must check, or that it handles (an offset, a model's
+        casting)."""
+        k, shape = len(self.normalized_shape), self.normalized_shape
+        w = self._parameters.get("weight")
+        if (self.offset or self.casting != "torch" or x.dim() < k
+                or tuple(x.shape[x.dim() - k:]) != shape or (w is not None and w.shape != shape)):
+            return None
+        node = backends.plan(x, F._layer(x.shape, k), False, False).native
+        return node, torch.finfo(x.dtype).eps
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._plain_call(input) and "weight" in self._parameters:
+            found = self._kept(input, "_node", self._build)
+            if found is not None:
+                eps = found[1] if self.eps is None else self.eps
+                y = self._call_node(input, found, eps, self._parameters["weight"], None)
+                if y is not None:
+                    return y
         return F.rms_norm(input, self.normalized_shape, self.weight, self.eps,
                           offset=self.offset, casting=self.casting)
 
@@ -187,3 +241,8 @@ class RMSNorm(nn.Module):
         extra += "" if self.casting == "torch" else f", casting={self.casting!r}"
         return (f"{self.normalized_shape}, eps={self.eps}, "
                 f"elementwise_affine={self.elementwise_affine}{extra}")
+
+
+for _layer in (LayerNorm, GroupNorm, RMSNorm):
+    _layer._plain_classes = (_layer,)                 # exact classes keep a node: KeptNode
+del _layer

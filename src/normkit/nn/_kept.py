@@ -1,0 +1,91 @@
+"""Layers that keep their plan's C++ node and call it with their own tensors.
+
+Inside a model, the Python between a layer's call and its kernel (the grouping, the
+checks, the plan lookup) costs several times what it costs alone: the neighbouring ops
+evict what it touches (docs/performance.md, "Between convolutions"). So an exact normkit
+layer keeps, per input (shape, dtype, threads, plan epoch), the C++ node of the plan that
+input gets (``normkit.backends.cpu.native``) and, from the second call of a shape on,
+calls it directly with its own parameters and buffers.
+
+The full path (``normkit.functional``) runs instead for anything else: traced calls, a
+tensor subclass or a dispatch mode, a non-contiguous input, a subclass of the layer
+(parametrized layers are one), an input whose plan has no node (CUDA, channels_last,
+streaming sizes), one the layer's checks refuse (it raises there, with its message), and
+a tensor the node refuses (another dtype, size or device after ``.half()``, ``.to()`` or
+``param.data = ...``; the node checks every tensor it is given). ``normkit.backends.
+clear_plans`` and ``native.switch`` start a new plan epoch, which drops the kept nodes;
+copies and pickles leave them behind (``__getstate__``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from normkit import backends
+
+__all__ = ["KeptNode"]
+
+_SLOTS = ("_node", "_eval_node", "_train_node")
+
+
+class KeptNode:
+    """Mixin of the layers above: ``_kept`` keeps what ``build`` makes of an input,
+    ``_plain_call`` says whether a call may use it, ``_own_params`` reads the parameters
+    past ``Module.__getattr__`` (about 0.7 us a read)."""
+
+    #: the exact classes that may keep a node (set per layer module)
+    _plain_classes: tuple = ()
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        for slot in _SLOTS:                 # C++ plans of this process: built again on use
+            state.pop(slot, None)
+        return state
+
+    def _plain_call(self, x) -> bool:
+        """Whether this call may take a kept node: eager, a plain contiguous tensor, no
+        dispatch mode, an exact normkit class."""
+        return not (torch.compiler.is_compiling() or type(x) is not torch.Tensor
+                    or type(self) not in self._plain_classes
+                    or torch._C._len_torch_dispatch_stack() or not x.is_contiguous())
+
+    def _kept(self, x, slot, build):
+        """``build(x)`` -- ``(node, extra)``, the node None where the plan has none --
+        kept in ``slot`` per (shape, dtype, threads, plan epoch); None (not kept) where
+        ``build`` gives None: an input the full path must see, to raise its error."""
+        key = (x.shape, x.dtype, torch.get_num_threads(), backends.plan_epoch)
+        kept = self.__dict__.get(slot)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        found = build(x)
+        if found is not None:
+            self.__dict__[slot] = (key, found)
+        return found
+
+    def _own_params(self):
+        """``(weight, bias)`` from the module's own dict, or None where one of them was
+        taken out of it (the full path runs and reports)."""
+        params = self._parameters
+        if "weight" not in params or "bias" not in params:
+            return None
+        return params["weight"], params["bias"]
+
+    @staticmethod
+    def _needs_graph(x, w, b) -> bool:
+        """Whether a gradient is to be recorded for this call."""
+        return torch.is_grad_enabled() and (x.requires_grad
+                                            or (w is not None and w.requires_grad)
+                                            or (b is not None and b.requires_grad))
+
+    def _call_node(self, x, found, eps, w, b):
+        """``y`` of the kept node ``found`` (batch statistics, none kept: the per-sample
+        layers), or None where there is none or it refuses a tensor."""
+        if found is None or found[0] is None:
+            return None
+        node = found[0]
+        try:
+            if self._needs_graph(x, w, b):
+                return node.apply(x, w, b, eps, None, None, None, False)[0]
+            return node.forward(x, w, b, eps, None, None, False, False)[0]
+        except RuntimeError:                     # refused before its kernel ran
+            return None
