@@ -22,8 +22,9 @@ from normkit.backends import _memory
 SERIAL_BELOW = 1 << 19
 
 #: elements: the same for a plan whose C++ node opens the parallel region itself (no
-#: Python, no GIL: a few microseconds), where threads win from about 2^16 elements
-NATIVE_SERIAL_BELOW = 1 << 17
+#: Python, no GIL: a few microseconds), where every call measured (forward, and forward
+#: and backward) gains from threads at 2^16 elements and the backward loses at 2^15
+NATIVE_SERIAL_BELOW = 1 << 16
 
 
 def threads(x, native=False) -> int:
