@@ -342,25 +342,32 @@ def test_eval_layer_node_not_used_with_grad_or_by_subclasses():
     assert "_eval_node" not in sub.__dict__
 
 
+def _kept_against_torch(ours, theirs, x, slot, dtype):
+    """Both layers with and without grad: ours ran its node kept in ``slot``, and its
+    output and gradients are torch's (bfloat16: the tolerances of conftest)."""
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    gtol = dict(rtol=5e-2, atol=2.5e-1) if dtype == torch.bfloat16 else {}
+    for grad in (True, False):
+        xs = [x.clone().requires_grad_(grad) for _ in range(2)]
+        with torch.set_grad_enabled(grad):
+            y, ty = ours(xs[0]), theirs(xs[1])
+        assert ours.__dict__[slot][1][0] is not None           # the kept node ran
+        torch.testing.assert_close(y, ty, **tol)
+        if grad:
+            y.square().sum().backward()
+            ty.square().sum().backward()
+            torch.testing.assert_close(xs[0].grad, xs[1].grad, **gtol)
+            torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, **gtol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_training_layer_keeps_its_node_and_matches_torch(dtype):
     ours, theirs, x = _eval_bn(dtype=dtype)
     ours.train(), theirs.train()
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
-    gtol = dict(rtol=5e-2, atol=2.5e-1) if dtype == torch.bfloat16 else {}   # conftest's
     for momentum in (0.1, None):
         ours.momentum = theirs.momentum = momentum
-        for grad in (True, False):
-            xs = [x.clone().requires_grad_(grad) for _ in range(2)]
-            with torch.set_grad_enabled(grad):
-                y, ty = ours(xs[0]), theirs(xs[1])
-            assert ours.__dict__["_train_node"][1][0] is not None   # the kept node ran
-            torch.testing.assert_close(y, ty, **tol)
-            if grad:
-                y.square().sum().backward()
-                ty.square().sum().backward()
-                torch.testing.assert_close(xs[0].grad, xs[1].grad, **gtol)
-                torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, **gtol)
+        _kept_against_torch(ours, theirs, x, "_train_node", dtype)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), **tol)
 
@@ -398,19 +405,7 @@ def _per_sample(name, dtype=torch.float32):
 @pytest.mark.parametrize("name", list(PER_SAMPLE))
 def test_per_sample_layer_keeps_its_node_and_matches_torch(name, dtype):
     ours, theirs, x = _per_sample(name, dtype)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
-    gtol = dict(rtol=5e-2, atol=2.5e-1) if dtype == torch.bfloat16 else {}   # conftest's
-    for grad in (True, False):
-        xs = [x.clone().requires_grad_(grad) for _ in range(2)]
-        with torch.set_grad_enabled(grad):
-            y, ty = ours(xs[0]), theirs(xs[1])
-        assert ours.__dict__["_node"][1][0] is not None          # the kept node ran
-        torch.testing.assert_close(y, ty, **tol)
-        if grad:
-            y.square().sum().backward()
-            ty.square().sum().backward()
-            torch.testing.assert_close(xs[0].grad, xs[1].grad, **gtol)
-            torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, **gtol)
+    _kept_against_torch(ours, theirs, x, "_node", dtype)
     with torch.no_grad():                                      # bit for bit the full path
         full = {"layer": lambda: NF.layer_norm(x, (16,), ours.weight, ours.bias),
                 "group": lambda: NF.group_norm(x, 2, ours.weight, ours.bias),

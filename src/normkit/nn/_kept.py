@@ -77,6 +77,16 @@ class KeptNode:
                                             or (w is not None and w.requires_grad)
                                             or (b is not None and b.requires_grad))
 
+    def _affine_node_call(self, x):
+        """``y`` of a layer with ``weight``, ``bias``, ``eps`` and a ``_build`` from its
+        kept node (LayerNorm, GroupNorm), or None: the full path runs."""
+        if not self._plain_call(x):
+            return None
+        params = self._own_params()
+        if params is None:
+            return None
+        return self._call_node(x, self._kept(x, "_node", self._build), self.eps, *params)
+
     def _call_node(self, x, found, eps, w, b):
         """``y`` of the kept node ``found`` (batch statistics, none kept: the per-sample
         layers), or None where there is none or it refuses a tensor."""

@@ -78,13 +78,9 @@ class LayerNorm(KeptNode, nn.Module):
         return backends.plan(x, F._layer(x.shape, k), True, False).native, None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self._plain_call(input):
-            params = self._own_params()
-            if params is not None:
-                y = self._call_node(input, self._kept(input, "_node", self._build), self.eps,
-                                    *params)
-                if y is not None:
-                    return y
+        y = self._affine_node_call(input)
+        if y is not None:
+            return y
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -149,13 +145,9 @@ class GroupNorm(KeptNode, nn.Module):
         return backends.plan(x, F._group(x.shape, self.num_groups), True, False).native, None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self._plain_call(input):
-            params = self._own_params()
-            if params is not None:
-                y = self._call_node(input, self._kept(input, "_node", self._build), self.eps,
-                                    *params)
-                if y is not None:
-                    return y
+        y = self._affine_node_call(input)
+        if y is not None:
+            return y
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
