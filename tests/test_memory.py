@@ -49,9 +49,16 @@ def test_opt_in_by_the_environment(setting):
 @pytest.mark.skipif(_memory._MINCORE is None, reason="mincore is Linux-only")
 @pytest.mark.skipif("MALLOC_MMAP_MAX_" in os.environ, reason="large blocks come from the heap")
 def test_resident_tells_touched_memory_from_a_fresh_mapping():
+    import mmap
+
     assert _memory.resident(torch.zeros(1 << 20))                  # written: in RAM
-    fresh = torch.empty(16 << 20)            # 64 MiB: a new mapping, nothing touched yet
+    # a new anonymous mapping of 64 MiB, nothing touched yet (made here: whether
+    # torch.empty maps anew depends on the allocator's state after the tests before)
+    region = mmap.mmap(-1, 64 << 20)
+    fresh = torch.frombuffer(region, dtype=torch.float32)
     assert not _memory.resident(fresh)
     fresh.fill_(1.0)
     assert _memory.resident(fresh)
     assert not _memory.resident(torch.empty(0))
+    del fresh
+    region.close()
