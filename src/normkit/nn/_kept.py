@@ -49,15 +49,15 @@ class KeptNode:
                     or type(self) not in self._plain_classes
                     or torch._C._len_torch_dispatch_stack() or not x.is_contiguous())
 
-    def _kept(self, x, slot, build):
-        """``build(x)`` -- ``(node, extra)``, the node None where the plan has none --
-        kept in ``slot`` per (shape, dtype, threads, plan epoch); None (not kept) where
+    def _kept(self, x, slot, build, *args):
+        """``build(x, *args)`` -- ``(node, extra)``, the node None where the plan has none
+        -- kept in ``slot`` per (shape, dtype, threads, plan epoch); None (not kept) where
         ``build`` gives None: an input the full path must see, to raise its error."""
         key = (x.shape, x.dtype, torch.get_num_threads(), backends.plan_epoch)
         kept = self.__dict__.get(slot)
         if kept is not None and kept[0] == key:
             return kept[1]
-        found = build(x)
+        found = build(x, *args)
         if found is not None:
             self.__dict__[slot] = (key, found)
         return found

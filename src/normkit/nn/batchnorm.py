@@ -22,18 +22,16 @@ class _BatchNorm(KeptNode, NormBase):
             raise ValueError(f"expected {want} input (got {input.dim()}D input of size "
                              f"{list(input.shape)}) for {type(self).__name__}")
 
-    def _kept_node(self, x, slot, fixed):
-        """``(node, unbias)`` of the plan for ``x`` kept in ``slot`` (``_kept``; the node
-        None: the full path runs), or None for an input the full path must see (another
+    def _build(self, x, fixed):
+        """``(node, unbias)`` of the plan for ``x`` (``KeptNode._kept``; the node None:
+        the full path runs), or None for an input the full path must see (another
         dimension count)."""
-        def build(x):
-            if x.dim() not in self._accepted_dims:
-                return None
-            grouping = G.batch(x.shape)
-            n = grouping.group_size
-            node = backends.plan(x, grouping, True, fixed).native if n > 1 else None
-            return node, n / (n - 1) if n > 1 else 0.0
-        return self._kept(x, slot, build)
+        if x.dim() not in self._accepted_dims:
+            return None
+        grouping = G.batch(x.shape)
+        n = grouping.group_size
+        node = backends.plan(x, grouping, True, fixed).native if n > 1 else None
+        return node, n / (n - 1) if n > 1 else 0.0
 
     def _own_tensors(self):
         """``(weight, bias, running_mean, running_var)`` from the module's own dicts (past
@@ -51,7 +49,7 @@ class _BatchNorm(KeptNode, NormBase):
         None where the full path runs (see ``_eval_node_call``)."""
         if not self._plain_call(x):
             return None
-        kept, own = self._kept_node(x, "_train_node", False), self._own_tensors()
+        kept, own = self._kept(x, "_train_node", self._build, False), self._own_tensors()
         if kept is None or kept[0] is None or own is None or not self.eps > 0:
             return None
         (node, unbias), (w, b, running_mean, running_var) = kept, own
@@ -74,7 +72,7 @@ class _BatchNorm(KeptNode, NormBase):
         no running statistics, or any case ``_kept`` lists."""
         if torch.is_grad_enabled() or not self._plain_call(x):
             return None
-        kept, own = self._kept_node(x, "_eval_node", True), self._own_tensors()
+        kept, own = self._kept(x, "_eval_node", self._build, True), self._own_tensors()
         if kept is None or kept[0] is None or own is None or self.eps < 0:
             return None
         w, b, running_mean, running_var = own
