@@ -444,6 +444,21 @@ def test_per_sample_layer_refusals_take_the_full_path(name):
     assert "_node" not in layer.__dict__
 
 
+def test_layer_moved_back_to_the_cpu_builds_its_node_again():
+    # what a layer kept for an input on another device (no node) is not used for the
+    # same shape on the CPU (a model trained on a GPU, then run on the CPU)
+    layer = nknn.LayerNorm(16).double().to("meta")
+    x = torch.randn(4, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        layer(x.to("meta"))
+        assert layer.__dict__["_node"][1][0] is None
+        layer = layer.to_empty(device="cpu")
+        layer.reset_parameters()
+        y = layer(x)
+    assert layer.__dict__["_node"][1][0] is not None
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (16,)))
+
+
 def test_rms_norm_layer_with_an_offset_or_a_casting_takes_the_full_path():
     layer = nknn.RMSNorm(16, offset=1.0, casting="gemma")
     x = torch.randn(4, 16)

@@ -3,9 +3,9 @@
 Inside a model, the Python between a layer's call and its kernel (the grouping, the
 checks, the plan lookup) costs several times what it costs alone: the neighbouring ops
 evict what it touches (docs/performance.md, "Between convolutions"). So an exact normkit
-layer keeps, per input (shape, dtype, threads, plan epoch), the C++ node of the plan that
-input gets (``normkit.backends.cpu.native``) and, from the second call of a shape on,
-calls it directly with its own parameters and buffers.
+layer keeps, per input (shape, dtype, device, threads, plan epoch), the C++ node of the
+plan that input gets (``normkit.backends.cpu.native``) and calls it directly with its own
+parameters and buffers.
 
 The full path (``normkit.functional``) runs instead for anything else: traced calls, a
 tensor subclass or a dispatch mode, a non-contiguous input, a subclass of the layer
@@ -51,9 +51,10 @@ class KeptNode:
 
     def _kept(self, x, slot, build, *args):
         """``build(x, *args)`` -- ``(node, extra)``, the node None where the plan has none
-        -- kept in ``slot`` per (shape, dtype, threads, plan epoch); None (not kept) where
-        ``build`` gives None: an input the full path must see, to raise its error."""
-        key = (x.shape, x.dtype, torch.get_num_threads(), backends.plan_epoch)
+        -- kept in ``slot`` per (shape, dtype, device, threads, plan epoch); None (not
+        kept) where ``build`` gives None: an input the full path must see, to raise its
+        error."""
+        key = (x.shape, x.dtype, x.device, torch.get_num_threads(), backends.plan_epoch)
         kept = self.__dict__.get(slot)
         if kept is not None and kept[0] == key:
             return kept[1]
