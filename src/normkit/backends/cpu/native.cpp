@@ -151,7 +151,12 @@ struct Plan : torch::CustomClassHolder {
       for (int64_t r = 0; r < job.ranges; ++r) job.range(r);
       return;
     }
-    gomp_parallel(&Region::member, &job, static_cast<unsigned>(job.ranges), 0);
+    if (PyGILState_Check()) {   // as torch's ops: other Python threads run meanwhile, and
+      py::gil_scoped_release no_gil;   // a kernel's error report (numba) can take the GIL
+      gomp_parallel(&Region::member, &job, static_cast<unsigned>(job.ranges), 0);
+    } else {                    // (a backward on autograd's thread holds no GIL)
+      gomp_parallel(&Region::member, &job, static_cast<unsigned>(job.ranges), 0);
+    }
   }
 
   bool threaded_backward() const { return threads > 1 && backward_units > 1; }
