@@ -170,7 +170,7 @@ def _kernels(family, proto, sproto):
     return found
 
 
-PARTIALS_NONE, ROW_CHUNKS, PLANE_SUMS = 0, 1, 2      # native.cpp: Partials
+ROW_CHUNKS, PLANE_SUMS = 1, 2                       # native.cpp: Partials
 
 
 def _work(plan):
