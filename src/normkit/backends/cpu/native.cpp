@@ -22,8 +22,9 @@
 // plan's launch does (the same ranges), and runs them in a parallel region of torch's own
 // OpenMP runtime (GOMP_parallel, its address handed over by native.py from _parallel.py),
 // with no Python callback per thread. (at::parallel_for is no use here: its OpenMP region
-// is a pragma in a header, which would bind this extension to a second OpenMP runtime.) Its backward writes per-range partial sums
-// of the parameter gradients, added up here after the threads:
+// is a pragma in a header, which would bind this extension to a second OpenMP runtime.)
+// Its backward writes per-range partial sums of the parameter gradients, added up here
+// after the threads:
 //   rows:   dw, db partials (chunks, K), summed over the chunks with at::sum;
 //   planes: (2, N, C) per-plane sums, added over n in float64 in order (entries.param_sums).
 #include <torch/extension.h>
@@ -51,7 +52,9 @@ void (*gomp_parallel)(region_fn, void*, unsigned, unsigned) = nullptr;
 int (*omp_thread_num)() = nullptr;
 int (*omp_num_threads)() = nullptr;
 
-void forget_team() { gomp_parallel = nullptr, omp_thread_num = nullptr, omp_num_threads = nullptr; }
+void forget_team() {
+  gomp_parallel = nullptr, omp_thread_num = nullptr, omp_num_threads = nullptr;
+}
 
 void set_team(int64_t parallel, int64_t thread_num, int64_t num_threads) {
   static bool registered = false;
@@ -95,6 +98,7 @@ struct Plan : torch::CustomClassHolder {
   bool center = true;
   at::ScalarType dtype = at::kFloat;   // the input's, and its number of elements
   int64_t numel = 0;
+  int64_t stat_count = 1;              // elements of stat_shape
   // work items of each kernel, the threads they are split over, and how a threaded
   // backward leaves its parameter gradients (Partials; partial_rows: chunks, or N)
   int64_t forward_units = 1, backward_units = 1, threads = 1;
@@ -117,10 +121,8 @@ struct Plan : torch::CustomClassHolder {
   // given statistics (fixed or saved) the same way: one per group, or one per channel
   // (running statistics)
   Tensor stat(const Tensor& t) const {
-    int64_t count = 1;
-    for (int64_t d : stat_shape) count *= d;
-    TORCH_CHECK((t.numel() == count || t.numel() == ones.numel()) && t.device().is_cpu(),
-                "normkit native plan: statistics of ", count, " (or ", ones.numel(),
+    TORCH_CHECK((t.numel() == stat_count || t.numel() == ones.numel()) && t.device().is_cpu(),
+                "normkit native plan: statistics of ", stat_count, " (or ", ones.numel(),
                 ") elements on the CPU, got sizes ", t.sizes(), " on ", t.device());
     if (t.scalar_type() != sdtype() || !t.is_contiguous()) return t.to(sdtype()).contiguous();
     return t;
@@ -286,37 +288,31 @@ tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, con
   auto options = x.options().dtype(p.sdtype());
   int64_t params = p.ones.numel();
   Tensor wk = p.param(w, p.ones), ms = p.stat(mean), rs = p.stat(rstd);
+  // the kernel's dw, db: (params,), or a threaded rows backward's (chunks, params) partials
+  // (summed below); a threaded planes backward writes (2, N, C) sums instead
+  bool chunks = p.threaded_backward() && p.partials == kRowChunks;
+  bool plane_sums = p.threaded_backward() && p.partials == kPlaneSums;
+  std::vector<int64_t> shape = chunks ? std::vector<int64_t>{p.partial_rows, params}
+                                      : std::vector<int64_t>{params};
+  bool zero = chunks || p.zero_grads;
+  Tensor dw = zero ? at::zeros(shape, options) : at::empty(shape, options);
+  Tensor db = zero ? at::zeros(shape, options) : at::empty(shape, options);
+  Tensor sums = plane_sums ? at::empty({2, p.partial_rows, params}, options) : Tensor();
   int64_t a[kMaxArgs];
-  if (p.threaded_backward() && p.partials == kRowChunks) {
-    Tensor dw = at::zeros({p.partial_rows, params}, options);
-    Tensor db = at::zeros({p.partial_rows, params}, options);
-    p.args(a, {address(g), address(x), address(dx), address(wk), address(ms), address(rs),
-               address(dw), address(db)},
-           p.backward_consts);
-    p.run(p.backward_kernel, a, 0.0, p.backward_units);
-    return {dx, dw.sum(0), db.sum(0)};
-  }
-  Tensor dw = p.zero_grads ? at::zeros({params}, options) : at::empty({params}, options);
-  Tensor db = p.zero_grads ? at::zeros({params}, options) : at::empty({params}, options);
-  if (p.threaded_backward() && p.partials == kPlaneSums) {
-    Tensor sums = at::empty({2, p.partial_rows, params}, options);
-    p.args(a, {address(g), address(x), address(dx), address(wk), address(ms), address(rs),
-               0, 0},
-           p.backward_consts);
-    a[kSums] = address(sums);
-    p.run(p.backward_kernel, a, 0.0, p.backward_units);
+  p.args(a, {address(g), address(x), address(dx), address(wk), address(ms), address(rs),
+             plane_sums ? 0 : address(dw), plane_sums ? 0 : address(db)},
+         p.backward_consts);
+  a[kSums] = address(sums);
+  p.run(p.backward_kernel, a, 0.0, p.backward_units);
+  if (chunks) return {dx, dw.sum(0), db.sum(0)};
+  if (plane_sums) {
     if (p.sdtype() == at::kDouble)
       sum_planes(sums.data_ptr<double>(), db.data_ptr<double>(), dw.data_ptr<double>(),
                  p.partial_rows, params);
     else
       sum_planes(sums.data_ptr<float>(), db.data_ptr<float>(), dw.data_ptr<float>(),
                  p.partial_rows, params);
-    return {dx, dw, db};
   }
-  p.args(a, {address(g), address(x), address(dx), address(wk), address(ms), address(rs),
-             address(dw), address(db)},
-         p.backward_consts);
-  p.run(p.backward_kernel, a, 0.0, p.backward_units);
   return {dx, dw, db};
 }
 
@@ -494,6 +490,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              p->dtype = like.scalar_type();
              p->numel = 1;
              for (int64_t v : p->view) p->numel *= v;
+             for (int64_t v : p->stat_shape) p->stat_count *= v;
              return p;
            }))
       .def("forward", &forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("eps"),
