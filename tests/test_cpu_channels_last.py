@@ -76,3 +76,35 @@ def test_batch_norm_expanded_grad_and_no_affine():
     xr = x.detach().clone().requires_grad_(True)
     F.batch_norm(xr, None, None, training=True).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(5, 12, 7, 9), (315, 12)], ids=str)
+@pytest.mark.parametrize("node", [True, False], ids=["node", "python"])
+def test_batch_norm_rows_of_channels_same_bits_on_any_threads(shape, node, dtype,
+                                                              monkeypatch):
+    # BatchNorm on rows of channels (``columns``): 315 rows in chunks of 16 (the last one
+    # 11 rows), each chunk's moments and gradient sums merged in order on one thread, so
+    # one thread and three give the same bits; the C++ node and the Python plan alike
+    from normkit.backends.cpu import native
+
+    monkeypatch.setattr(tuning, "BLOCK_BYTES", 16 * 12 * dtype.itemsize)
+    monkeypatch.setattr(tuning, "RUN_LANES", 48)                   # runs of 4 rows
+    assert tuning.cl_blocks(12, dtype.itemsize) == (16, 4)
+    x, w, b, dy = cases.inputs(shape, dtype, 12, CL if len(shape) == 4 else "contiguous",
+                               offset=2.0)
+    fn, ref = cases.op("batch", 12)
+    native.switch(node)
+    try:
+        results = []
+        for threads in (1, 3):
+            monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
+            results.append(cases.run(fn, x, w, b, dy))
+            assert ("NormNode" in results[-1][0].grad_fn.name()) == node
+    finally:
+        native.switch(True)
+    cases.same_bits(results[0], results[1], "1 thread against 3")
+    cases.check_against_reference(results[1], ref, x, w, b, dy, dtype)
+    want = cases.run(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), x, w,
+                     b, dy)
+    cases.check_against_torch(results[1], want, dtype)

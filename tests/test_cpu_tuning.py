@@ -76,7 +76,8 @@ def test_eval_batch_norm_serial_by_channel_threaded_by_plane(shape, dtype, monke
 
 def test_threads_rule(monkeypatch):
     # a launch from C++ splits from NATIVE_SERIAL_BELOW, one from Python from SERIAL_BELOW;
-    # channels_last plans have no C++ callbacks, NCHW planes do (where the node builds)
+    # channels_last Instance/GroupNorm plans have no C++ callbacks; NCHW planes and
+    # BatchNorm on channels_last (columns) do (where the node builds)
     from normkit import grouping as G
     from normkit.backends import cpu
     from normkit.backends.cpu import native
@@ -86,8 +87,11 @@ def test_threads_rule(monkeypatch):
     monkeypatch.setattr(tuning, "NATIVE_SERIAL_BELOW", 500)
     x = torch.zeros(3, 6, 9, 11)                                     # 1782 elements
     assert tuning.threads(x) == 1 and tuning.threads(x, native=True) == 4
-    assert cpu.plan(x.to(memory_format=torch.channels_last), G.batch(x.shape)).threads == 1
-    assert cpu.plan(x, G.batch(x.shape)).threads == (4 if native.threads_in_cpp() else 1)
+    xc = x.to(memory_format=torch.channels_last)
+    assert cpu.plan(xc, G.instance(x.shape)).threads == 1
+    in_cpp = 4 if native.threads_in_cpp() else 1
+    assert cpu.plan(xc, G.batch(x.shape)).threads == in_cpp
+    assert cpu.plan(x, G.batch(x.shape)).threads == in_cpp
 
 
 def test_stream_out_rule(monkeypatch):

@@ -80,12 +80,6 @@ def test_node_matches_the_python_plans_and_the_reference(op, shape, dtype):
     if op == "rms":
         b = None
     fn, ref = cases.op(op, c)
-    if op == "batch" and len(shape) == 2:
-        # (N, C): one position per channel, the channels_last family, no node
-        native.switch(True)
-        y = fn(x.detach().requires_grad_(True), w, b)
-        assert "NormNode" not in _node_name(y)
-        return
     node, python = _both_paths(fn, x, w, b, dy)
     for p, q, name in zip(node, python, ("y", "dx", "dweight", "dbias")):
         if p is not None:
@@ -94,14 +88,37 @@ def test_node_matches_the_python_plans_and_the_reference(op, shape, dtype):
     cases.check_against_reference(node, ref, x, w, b, dy, dtype)
 
 
-@pytest.mark.parametrize("op", ["layer", "rms", "batch", "group", "instance"])
+@pytest.mark.parametrize("dtype", cases.DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(4, 6, 3, 5), (2, 6, 20, 20), (3, 5, 4, 2, 3), (5, 7, 1)],
+                         ids=str)
+def test_batch_norm_node_on_channels_last(shape, dtype):
+    # BatchNorm on rows of channels (the columns family): channels_last inputs, and an
+    # (N, C, 1), take the node too; the gradient comes in either layout
+    c = shape[1]
+    x, w, b, dy = cases.inputs(shape, dtype, c, "channels_last" if len(shape) > 3 else
+                               "contiguous", offset=1.0)
+    fn, ref = cases.op("batch", c)
+    node, python = _both_paths(fn, x, w, b, dy)
+    for p, q, name in zip(node, python, ("y", "dx", "dweight", "dbias")):
+        _near(p, q, dtype, name)
+        assert p.dtype == q.dtype and p.shape == q.shape and p.stride() == q.stride()
+    assert node[0].stride() == x.stride() and node[1].stride() == x.stride()
+    cases.check_against_reference(node, ref, x, w, b, dy, dtype)
+    xr = x.detach().requires_grad_(True)                           # a contiguous gradient
+    fn(xr, w, b).backward(dy.contiguous())
+    _near(xr.grad, node[1], dtype, "dx of a contiguous gradient")
+
+
+@pytest.mark.parametrize("op", ["layer", "rms", "batch", "group", "instance",
+                                "batch-channels_last"])
 def test_both_sides_of_the_serial_threshold(op, monkeypatch):
     # below SERIAL_BELOW the node runs its kernels on the calling thread, from it in
     # ranges on torch's OpenMP team (partial gradients per range, added up in C++): the
     # same results as the Python plans' threaded launch, and the reference's
+    op, _, layout = op.partition("-")
     shape = (8, 48) if op in ("layer", "rms") else (4, 6, 5, 7)
     c = shape[-1] if op in ("layer", "rms") else shape[1]
-    x, w, b, dy = cases.inputs(shape, torch.float32, c, offset=0.5)
+    x, w, b, dy = cases.inputs(shape, torch.float32, c, layout or "contiguous", offset=0.5)
     fn, ref = cases.op(op, c)
     if op == "rms":
         b = None
@@ -368,6 +385,25 @@ def test_training_layer_keeps_its_node_and_matches_torch(dtype):
     for momentum in (0.1, None):
         ours.momentum = theirs.momentum = momentum
         _kept_against_torch(ours, theirs, x, "_train_node", dtype)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layer_keeps_its_node_on_channels_last(dtype):
+    # channels_last (the columns family), in training and eval, a node per layout: the
+    # same shape in NCHW next takes a node of its own
+    ours, theirs, x = _eval_bn(dtype=dtype)
+    xc = x.contiguous(memory_format=torch.channels_last)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    with torch.no_grad():
+        torch.testing.assert_close(ours(xc), theirs(xc), **tol)
+    assert ours._eval_node[1][0] is not None
+    assert ours(xc).is_contiguous(memory_format=torch.channels_last)
+    ours.train(), theirs.train()
+    for data in (xc, x):
+        _kept_against_torch(ours, theirs, data, "_train_node", dtype)
+        assert ours._train_node[0][1] == data.stride()
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), **tol)
 

@@ -316,10 +316,13 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
             x.requires_grad or (weight is not None and weight.requires_grad)
             or (bias is not None and bias.requires_grad))
         contiguous = x.is_contiguous()
-        if contiguous:
-            plan = backends.plan(x, grouping, center, mean is not None)
+        # the C++ node: a contiguous input, or BatchNorm's channels_last (the plan of its
+        # view; the node reads any shape of that memory)
+        xv = x if contiguous else _rows_of_channels_view(x, grouping)
+        if xv is not None:
+            plan = backends.plan(xv, grouping, center, mean is not None)
             node = plan.native
-            if node is not None:                            # the C++ node: small calls
+            if node is not None:
                 if grad:
                     out = (node.apply(x, weight, bias, eps, mean, rstd, var, keep_stats)
                            if running is None else
@@ -353,6 +356,17 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     y, *stats = _forward_op(x.reshape(grouping.view), weight, bias, *grouping_args(grouping),
                             eps, center, mean, rstd)
     return (y.reshape(x.shape), *stats)
+
+
+def _rows_of_channels_view(x, grouping):
+    """The grouping's view of a BatchNorm input whose channels come first in memory
+    (channels_last: the ``columns`` family's node reads it), else None."""
+    if grouping.kind != "batch" or x.dim() < 3 or x.stride(1) != 1:
+        return None
+    try:
+        return x.view(grouping.view)
+    except RuntimeError:
+        return None
 
 
 def norm_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs):

@@ -3,18 +3,19 @@
 Inside a model, the Python between a layer's call and its kernel (the grouping, the
 checks, the plan lookup) costs several times what it costs alone: the neighbouring ops
 evict what it touches (docs/performance.md, "Between convolutions"). So an exact normkit
-layer keeps, per input (shape, dtype, device, threads, plan epoch), the C++ node of the
-plan that input gets (``normkit.backends.cpu.native``) and calls it directly with its own
-parameters and buffers.
+layer keeps, per input (shape, strides, dtype, device, threads, plan epoch), the C++
+node of the plan that input gets (``normkit.backends.cpu.native``) and calls it directly
+with its own parameters and buffers.
 
 The full path (``normkit.functional``) runs instead for anything else: traced calls, a
-tensor subclass or a dispatch mode, a non-contiguous input, a subclass of the layer
-(parametrized layers are one), an input whose plan has no node (CUDA, channels_last,
-streaming sizes), one the layer's checks refuse (it raises there, with its message), and
-a tensor the node refuses (another dtype, size or device after ``.half()``, ``.to()`` or
-``param.data = ...``; the node checks every tensor it is given). ``normkit.backends.
-clear_plans`` and ``native.switch`` start a new plan epoch, which drops the kept nodes;
-copies and pickles leave them behind (``__getstate__``).
+tensor subclass or a dispatch mode, a non-contiguous input (but channels_last for
+BatchNorm), a subclass of the layer (parametrized layers are one), an input whose plan
+has no node (CUDA, strides no kernel family reads, streaming sizes), one the layer's
+checks refuse (it raises there, with its message), and a tensor the node refuses
+(another dtype, size or device after ``.half()``, ``.to()`` or ``param.data = ...``; the
+node checks every tensor it is given). ``normkit.backends.clear_plans`` and
+``native.switch`` start a new plan epoch, which drops the kept nodes; copies and pickles
+leave them behind (``__getstate__``).
 """
 
 from __future__ import annotations
@@ -42,19 +43,26 @@ class KeptNode:
             state.pop(slot, None)
         return state
 
+    #: whether a node may read channels_last memory (BatchNorm's, the columns family)
+    _rows_of_channels = False
+
     def _plain_call(self, x) -> bool:
-        """Whether this call may take a kept node: eager, a plain contiguous tensor, no
-        dispatch mode, an exact normkit class."""
+        """Whether this call may take a kept node: eager, a plain contiguous tensor (or
+        channels first in memory, ``_rows_of_channels``), no dispatch mode, an exact
+        normkit class."""
         return not (torch.compiler.is_compiling() or type(x) is not torch.Tensor
                     or type(self) not in self._plain_classes
-                    or torch._C._len_torch_dispatch_stack() or not x.is_contiguous())
+                    or torch._C._len_torch_dispatch_stack()
+                    or not (x.is_contiguous()
+                            or (self._rows_of_channels and x.dim() > 2 and x.stride(1) == 1)))
 
     def _kept(self, x, slot, build, *args):
         """``build(x, *args)`` -- ``(node, extra)``, the node None where the plan has none
-        -- kept in ``slot`` per (shape, dtype, device, threads, plan epoch); None (not
-        kept) where ``build`` gives None: an input the full path must see, to raise its
-        error."""
-        key = (x.shape, x.dtype, x.device, torch.get_num_threads(), backends.plan_epoch)
+        -- kept in ``slot`` per (shape, strides, dtype, device, threads, plan epoch); None
+        (not kept) where ``build`` gives None: an input the full path must see, to raise
+        its error."""
+        key = (x.shape, x.stride(), x.dtype, x.device, torch.get_num_threads(),
+               backends.plan_epoch)
         kept = self.__dict__.get(slot)
         if kept is not None and kept[0] == key:
             return kept[1]

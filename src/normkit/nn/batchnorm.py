@@ -15,6 +15,7 @@ __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
 
 class _BatchNorm(KeptNode, NormBase):
     _accepted_dims: tuple = ()
+    _rows_of_channels = True
 
     def _check_input_dim(self, input) -> None:
         if input.dim() not in self._accepted_dims:
@@ -30,7 +31,10 @@ class _BatchNorm(KeptNode, NormBase):
             return None
         grouping = G.batch(x.shape)
         n = grouping.group_size
-        node = backends.plan(x, grouping, True, fixed).native if n > 1 else None
+        try:                       # (channels_last strides that do not view as (N, C, S))
+            node = backends.plan(x, grouping, True, fixed).native if n > 1 else None
+        except RuntimeError:
+            return None
         return node, n / (n - 1) if n > 1 else 0.0
 
     def _own_tensors(self):

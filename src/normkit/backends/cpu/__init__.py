@@ -20,7 +20,8 @@ takes and which kernel family runs them; the modules below do the rest:
 ``running``        BatchNorm's running statistics, both buffers in one loop
 ``rows``           LayerNorm/RMSNorm, contiguous (M, K)
 ``planes``         Batch/Instance/GroupNorm on contiguous NCHW
-``channels_last``  Batch/Instance/GroupNorm on channels_last (the per-(n, c) family)
+``columns``        BatchNorm on rows of channels: channels_last, and (N, C)
+``channels_last``  Instance/GroupNorm on channels_last (the per-(n, c) family)
 
 Memory is shared with torch, never copied: a kernel sees a tensor's storage either by its
 address (``entries``) or as a detached tensor's ``.numpy()`` view (the channels_last
@@ -43,18 +44,21 @@ from normkit.backends.cpu import _cache
 
 _cache.check_package_cache()    # before any kernel is loaded from the cache
 
-from normkit.backends.cpu.plans import ChannelsLastPlan, PlanesPlan, RowsPlan  # noqa: E402
+from normkit.backends.cpu.plans import (ChannelsLastPlan, ColumnsPlan, PlanesPlan,  # noqa: E402
+                                        RowsPlan)
 from normkit.backends.cpu import entries, native  # noqa: E402
 
 __all__ = ["backward", "forward", "plan", "supports", "update_running"]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-_FAMILIES = {"rows": RowsPlan, "nchw": PlanesPlan, "channels_last": ChannelsLastPlan}
+_FAMILIES = {"rows": RowsPlan, "nchw": PlanesPlan, "columns": ColumnsPlan,
+             "channels_last": ChannelsLastPlan}
 
 
 def layout(xv, grouping):
     """The kernel family for the view ``xv``: ``"rows"`` (contiguous (M, K)), ``"nchw"``
-    (contiguous planes), ``"channels_last"``, or None (not handled here)."""
+    (contiguous planes), ``"columns"`` (BatchNorm on rows of channels: channels_last, or
+    (N, C)), ``"channels_last"`` (Instance/GroupNorm), or None (not handled here)."""
     if grouping.kind == "layer":
         return "rows" if xv.is_contiguous() else None
     v = grouping.view
@@ -62,7 +66,7 @@ def layout(xv, grouping):
     if x3.is_contiguous() and x3.shape[2] > 1:
         return "nchw"
     if x3.transpose(1, 2).is_contiguous():
-        return "channels_last"
+        return "columns" if grouping.kind == "batch" else "channels_last"
     return None
 
 

@@ -33,8 +33,8 @@ import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from normkit.backends.cpu.half import load
-from normkit.backends.cpu.moments import cl_range_moments, fold_lanes, merge_channels
+from normkit.backends.cpu.moments import (cl_range_grad_sums, cl_range_moments,
+                                          merge_channels)
 from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.stores import fence, store_affine_per_channel, store_dx_per_channel
 from normkit.stats_numba import chan_merge
@@ -127,35 +127,17 @@ def nc_grad_sums(g, x, c_, parts, blocks, stats_nc, partials, lo, hi):
     mu, rs = stats_nc
     psg, psgx = partials
     s_ = x.shape[1] // c_
-    lane_g = np.empty(run * c_, dtype=mu.dtype)
-    lane_gx = np.empty(run * c_, dtype=mu.dtype)
-    lane_mean = np.empty(run * c_, dtype=mu.dtype)
-    folded = np.empty(c_, dtype=mu.dtype)
+    lanes = (np.empty(run * c_, dtype=mu.dtype), np.empty(run * c_, dtype=mu.dtype),
+             np.empty(run * c_, dtype=mu.dtype), np.empty(c_, dtype=mu.dtype))
     for t in range(lo, hi):
         n, s_begin, s_end = _range(t, parts, s_)
         p = t % parts
-        xn, gn, mur, rsr = x[n], g[n], mu[n], rs[n]
         sg, sgx = psg[n, p], psgx[n, p]                            # C, float64
         sg[:] = 0.0
         sgx[:] = 0.0
         for r in range(run):
-            lane_mean[r * c_:(r + 1) * c_] = mur
-        for s0 in range(s_begin, s_end, block):
-            lane_g[:] = 0.0
-            lane_gx[:] = 0.0
-            for g0 in range(s0, min(s_end, s0 + block), run):
-                i0, i1 = g0 * c_, min(s_end, g0 + run) * c_
-                xs, gs = xn[i0:i1], gn[i0:i1]                      # <= run*C
-                for j in range(xs.shape[0]):
-                    gi = load(gs, j)
-                    lane_g[j] += gi
-                    lane_gx[j] += gi * (load(xs, j) - lane_mean[j])
-            fold_lanes(lane_g, folded, c_, run)
-            for c in range(c_):
-                sg[c] += folded[c]
-            fold_lanes(lane_gx, folded, c_, run)
-            for c in range(c_):
-                sgx[c] += folded[c] * rsr[c]
+            lanes[2][r * c_:(r + 1) * c_] = mu[n]
+        cl_range_grad_sums(g[n], x[n], c_, s_begin, s_end, block, run, lanes, rs[n], sg, sgx)
 
 
 @njit(**JIT)

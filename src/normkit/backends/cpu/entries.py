@@ -1,9 +1,9 @@
 """The kernels' entries by address: what the plans call.
 
 Each entry takes the tensors of one call as addresses (``address``), rebuilds them as
-arrays inside compiled code and runs the kernel of ``rows``, ``planes`` or ``running``
-of the same name over the range [lo, hi): the same kernel, without the microseconds per
-argument that converting tensors to NumPy arrays costs a Python call.
+arrays inside compiled code and runs the kernel of ``rows``, ``planes``, ``columns`` or
+``running`` of the same name over the range [lo, hi): the same kernel, without the
+microseconds per argument that converting tensors to NumPy arrays costs a Python call.
 
 Conventions: ``at`` is a tuple of addresses in the order the docstring gives; ``proto``
 and ``sproto`` are empty arrays of the storage dtype (``half``: 16-bit floats as
@@ -18,13 +18,14 @@ import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from normkit.backends.cpu import planes, rows, running
+from normkit.backends.cpu import columns, planes, rows, running
 from normkit.backends.cpu.address import at as _at
 from normkit.backends.cpu.rows import JIT
 
 __all__ = ["rows_forward", "rows_backward", "channels_small", "channels_small_backward",
            "planes_small", "planes_small_backward", "channels_forward", "channels_backward",
-           "planes_forward", "planes_backward", "param_sums", "running_update"]
+           "planes_forward", "planes_backward", "columns_forward", "columns_backward",
+           "param_sums", "running_update"]
 
 
 @njit(**JIT)
@@ -173,6 +174,54 @@ def planes_backward(at, ncs, groups, proto, sproto, center, fixed, out, lo, hi):
     g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[0] * groups, proto, sproto)
     planes.planes_backward(g, x, w, stats, groups, center, fixed, dx, sums, out, lo, hi)
     _grads_here(at, sums, ncs[1], sproto)
+
+
+# columns (``columns``): x as M rows of C channels, flat, in chunks of rows; each direction
+# in stages (stage 0 over the chunks [lo, hi), 1 on one thread, 2 over the rows [lo, hi));
+# sums: (2, chunks, C) float64 scratch; mcr = (M, C, rows per chunk, run). forward at =
+# (x, y; w, b; mean, rstd, var: (C,), read when fixed (stage 2 alone), else written in
+# stage 1; sums); backward at = (g, x, dx; w; mean, rstd; dw, db: (C,) written in stage 1;
+# sums)
+
+
+@register_jitable
+def _columns_sums(address, mcr):
+    m, c, rows, _ = mcr
+    sums = _at(address, np.empty(0, np.float64), (2, -(-m // rows), c))
+    return sums[0], sums[1]
+
+
+@njit(**JIT)
+def columns_forward(at, mcr, proto, sproto, eps, from_var, stream, stage, lo, hi):
+    m, c, rows, run = mcr
+    x = _at(at[0], proto, (m * c,))
+    mean, rstd = _at(at[4], sproto, (c,)), _at(at[5], sproto, (c,))
+    if stage == 0:
+        columns.chunk_moments(x, c, (rows, run), sproto, _columns_sums(at[7], mcr), lo, hi)
+    elif stage == 1:
+        columns.merge_moments(_columns_sums(at[7], mcr), rows, m, eps,
+                              (mean, rstd, _at(at[6], sproto, (c,))))
+    else:
+        if from_var:    # given statistics as (mean, var): rstd = 1 / sqrt(var + eps)
+            rstd = _rstd(rstd, eps)
+        columns.apply_rows(x, _at(at[1], proto, (m * c,)), _at(at[2], sproto, (c,)),
+                           _at(at[3], sproto, (c,)), (mean, rstd), stream, lo, hi)
+
+
+@njit(**JIT)
+def columns_backward(at, mcr, proto, sproto, center, fixed, stream, stage, lo, hi):
+    m, c, rows, run = mcr
+    g, x = _at(at[0], proto, (m * c,)), _at(at[1], proto, (m * c,))
+    w = _at(at[3], sproto, (c,))
+    stats = (_at(at[4], sproto, (c,)), _at(at[5], sproto, (c,)))
+    sums = _columns_sums(at[8], mcr)
+    if stage == 0:
+        columns.chunk_grad_sums(g, x, stats, (rows, run), sums, lo, hi)
+    elif stage == 1:
+        columns.merge_grad_sums(sums, m, w, center, fixed,
+                                (_at(at[6], sproto, (c,)), _at(at[7], sproto, (c,))))
+    else:
+        columns.dx_rows(g, x, w, stats, sums, _at(at[2], proto, (m * c,)), stream, lo, hi)
 
 
 @njit(**JIT)

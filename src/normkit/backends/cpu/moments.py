@@ -135,6 +135,32 @@ def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch):
 
 
 @register_jitable
+def cl_range_grad_sums(gn, xn, c_, s_begin, s_end, block, run, lanes, rstd, sg, sgx):
+    """Per-channel sums of g and g * xhat (float64, added into sg, sgx: (C,)) over the
+    rows [s_begin, s_end) of one channels_last sample gn, xn: (S*C,). Per block of
+    ``block`` rows the sums of g and g * (x - mean) accumulate in lanes of the statistics
+    dtype, then go to float64 (the second times rstd). ``lanes`` = (lane g, lane g * (x -
+    mean), the mean repeated over a run: (run*C,); folded: (C,))."""
+    lane_g, lane_gx, lane_mean, folded = lanes
+    for s0 in range(s_begin, s_end, block):
+        lane_g[:] = 0.0
+        lane_gx[:] = 0.0
+        for g0 in range(s0, min(s_end, s0 + block), run):
+            i0, i1 = g0 * c_, min(s_end, g0 + run) * c_
+            xs, gs = xn[i0:i1], gn[i0:i1]                          # <= run*C
+            for j in range(xs.shape[0]):
+                gi = load(gs, j)
+                lane_g[j] += gi
+                lane_gx[j] += gi * (load(xs, j) - lane_mean[j])
+        fold_lanes(lane_g, folded, c_, run)
+        for c in range(c_):
+            sg[c] += folded[c]
+        fold_lanes(lane_gx, folded, c_, run)
+        for c in range(c_):
+            sgx[c] += folded[c] * rstd[c]
+
+
+@register_jitable
 def merge_channels(mean, m2, count, c0, c1):
     """(mean, M2) of the channels [c0, c1) merged, each holding ``count`` elements with
     the given per-channel mean and M2 (float64)."""

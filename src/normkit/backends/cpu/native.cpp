@@ -15,8 +15,9 @@
 //   backward: g, x, dx, w, mean, rstd, dw, db, <backward constants>
 // (addresses of contiguous memory; a statistics address 0: the kernel's own scratch;
 // from_var: the fixed statistics are a mean and a variance, rstd computed in the kernel),
-// and in the last three slots: the address of a threaded backward's partial sums (0: none),
-// and the range [lo, hi) of work items the call covers.
+// and in the last four slots: the stage of a staged family (columns.py: stages 0, 1, 2),
+// the address of a threaded backward's partial sums or a staged family's scratch (0:
+// none), and the range [lo, hi) of work items the call covers.
 //
 // A plan of several threads splits the work items into contiguous ranges, as the Python
 // plan's launch does (the same ranges), and runs them in a parallel region of torch's own
@@ -27,6 +28,9 @@
 // after the threads:
 //   rows:   dw, db partials (chunks, K), summed over the chunks with at::sum;
 //   planes: (2, N, C) per-plane sums, added over n in float64 in order (entries.param_sums).
+// The columns family (BatchNorm on channels_last and (N, C)) runs every call in stages
+// instead, each a kernel call of its own over its work items (run_stages): its per-chunk
+// sums, merged on one thread in its stage 1, are its own business.
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -42,9 +46,12 @@ typedef void (*kernel_fn)(int64_t*, double);
 
 constexpr int kAddresses = 8;   // slots before the constants, either direction
 constexpr int kMaxArgs = 24;
-constexpr int kSums = kMaxArgs - 3, kLo = kMaxArgs - 2, kHi = kMaxArgs - 1;
+constexpr int kStage = kMaxArgs - 4, kSums = kMaxArgs - 3, kLo = kMaxArgs - 2,
+              kHi = kMaxArgs - 1;
 
-enum Partials : int64_t { kNone = 0, kRowChunks = 1, kPlaneSums = 2 };
+// how a threaded backward leaves its parameter gradients; kColumnChunks: the columns
+// family, whose every call runs in stages over chunks of rows (scratch in a[kSums])
+enum Partials : int64_t { kNone = 0, kRowChunks = 1, kPlaneSums = 2, kColumnChunks = 3 };
 
 // torch's OpenMP runtime (set_team; none after a fork: GNU OpenMP is not fork-safe)
 typedef void (*region_fn)(void*);
@@ -134,7 +141,7 @@ struct Plan : torch::CustomClassHolder {
     int64_t i = 0;
     for (int64_t v : addresses) a[i++] = v;
     for (int64_t v : consts) a[i++] = v;
-    a[kSums] = 0;
+    a[kSums] = 0, a[kStage] = 0;
   }
 
   // the kernel over [0, units): on this thread, or in min(threads, units) contiguous
@@ -162,6 +169,23 @@ struct Plan : torch::CustomClassHolder {
   }
 
   bool threaded_backward() const { return threads > 1 && backward_units > 1; }
+
+  bool staged() const { return partials == kColumnChunks; }
+
+  // a staged family's scratch: (2, chunks, params) float64
+  Tensor stage_sums() const {
+    return at::empty({2, partial_rows, ones.numel()}, ones.options().dtype(at::kDouble));
+  }
+
+  // stages 0 (over the chunks), 1 (one call, on this thread) and 2 (over `units` rows)
+  void run_stages(kernel_fn kernel, int64_t* a, double eps, int64_t units) const {
+    a[kStage] = 0;
+    run(kernel, a, eps, partial_rows);
+    a[kStage] = 1, a[kLo] = 0, a[kHi] = 1;
+    kernel(a, eps);
+    a[kStage] = 2;
+    run(kernel, a, eps, units);
+  }
 };
 
 // dbias, dweight (C,) from a threaded planes backward's (2, N, C) sums: each added over n
@@ -183,14 +207,35 @@ int64_t address(const Tensor& t) {
   return t.defined() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0;
 }
 
-// the kernels trust the plan's sizes and dtype: a tensor of another is refused here
+// whether x's memory is rows of its dim-1 channels, dense: (N, *spatial, C) in that order
+// (channels_last; a contiguous (N, C) too), the memory the columns family reads
+bool rows_of_channels(const Tensor& x) {
+  if (x.dim() < 2 || (x.size(1) != 1 && x.stride(1) != 1)) return false;
+  int64_t expected = x.size(1);
+  for (int64_t d = x.dim() - 1; d >= 2; --d) {
+    if (x.size(d) != 1 && x.stride(d) != expected) return false;
+    expected *= x.size(d);
+  }
+  return x.size(0) == 1 || x.stride(0) == expected;
+}
+
+// the kernels trust the plan's sizes, dtype and memory layout (contiguous; rows of
+// channels for a staged plan, the columns family): a tensor of another is refused here
 void check_input(const Plan& p, const Tensor& x) {
-  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == p.dtype &&
+  bool layout = p.staged() ? rows_of_channels(x) : x.is_contiguous();
+  TORCH_CHECK(layout && x.device().is_cpu() && x.scalar_type() == p.dtype &&
                   x.numel() == p.numel,
-              "normkit native plan: built for a contiguous CPU tensor of ", p.numel, " ",
-              c10::toString(p.dtype), " elements, got sizes ", x.sizes(), ", strides ",
-              x.strides(), ", ", c10::toString(x.scalar_type()), "; take the plan of this "
-              "input from normkit.backends.plan");
+              "normkit native plan: built for a ",
+              p.staged() ? "channels_last (rows of channels)" : "contiguous", " CPU tensor of ",
+              p.numel, " ", c10::toString(p.dtype), " elements, got sizes ", x.sizes(),
+              ", strides ", x.strides(), ", ", c10::toString(x.scalar_type()), "; take the "
+              "plan of this input from normkit.backends.plan");
+}
+
+// the incoming gradient laid out as x (whose layout the plan's kernels read)
+Tensor like_input(const Tensor& grad, const Tensor& x) {
+  if (grad.strides() == x.strides()) return grad;
+  return at::empty_like(x).copy_(grad);
 }
 
 // BatchNorm's running statistics in place, as normkit.backends.cpu.running does it (the
@@ -257,7 +302,7 @@ tensor_list run_forward(const Plan& p, const Tensor& x, const Tensor& w, const T
   if (fixed_mean.defined()) {
     mean = p.stat(fixed_mean);
     rstd = p.stat(fixed);
-  } else if (keep_stats) {
+  } else if (keep_stats || p.staged()) {      // (a staged forward's stage 2 reads them)
     auto options = x.options().dtype(p.sdtype());
     mean = at::empty(p.stat_shape, options);
     rstd = at::empty(p.stat_shape, options);
@@ -267,7 +312,16 @@ tensor_list run_forward(const Plan& p, const Tensor& x, const Tensor& w, const T
   p.args(a, {address(x), address(y), address(wk), address(bk), address(mean), address(rstd),
              fixed_mean.defined() ? address(mean) : address(var), from_var ? 1 : 0},
          p.forward_consts);
-  p.run(p.forward_kernel, a, eps, p.forward_units);
+  if (!p.staged()) {
+    p.run(p.forward_kernel, a, eps, p.forward_units);
+  } else if (fixed_mean.defined()) {          // given statistics: stage 2 alone
+    a[kStage] = 2;
+    p.run(p.forward_kernel, a, eps, p.forward_units);
+  } else {
+    Tensor sums = p.stage_sums();
+    a[kSums] = address(sums);
+    p.run_stages(p.forward_kernel, a, eps, p.forward_units);
+  }
   if (fixed_mean.defined() || !keep_stats || running.update(mean, var)) return {y};
   return {y, mean, rstd, var};
 }
@@ -283,7 +337,7 @@ tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const T
 tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, const Tensor& w,
                          const Tensor& mean, const Tensor& rstd) {
   check_input(p, x);
-  Tensor g = grad.contiguous();
+  Tensor g = like_input(grad.sizes() == x.sizes() ? grad : grad.reshape(x.sizes()), x);
   Tensor dx = at::empty_like(x);
   auto options = x.options().dtype(p.sdtype());
   int64_t params = p.ones.numel();
@@ -297,13 +351,17 @@ tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, con
   bool zero = chunks || p.zero_grads;
   Tensor dw = zero ? at::zeros(shape, options) : at::empty(shape, options);
   Tensor db = zero ? at::zeros(shape, options) : at::empty(shape, options);
-  Tensor sums = plane_sums ? at::empty({2, p.partial_rows, params}, options) : Tensor();
+  Tensor sums = plane_sums ? at::empty({2, p.partial_rows, params}, options)
+                : p.staged() ? p.stage_sums() : Tensor();
   int64_t a[kMaxArgs];
   p.args(a, {address(g), address(x), address(dx), address(wk), address(ms), address(rs),
              plane_sums ? 0 : address(dw), plane_sums ? 0 : address(db)},
          p.backward_consts);
   a[kSums] = address(sums);
-  p.run(p.backward_kernel, a, 0.0, p.backward_units);
+  if (p.staged())
+    p.run_stages(p.backward_kernel, a, 0.0, p.backward_units);
+  else
+    p.run(p.backward_kernel, a, 0.0, p.backward_units);
   if (chunks) return {dx, dw.sum(0), db.sum(0)};
   if (plane_sums) {
     if (p.sdtype() == at::kDouble)

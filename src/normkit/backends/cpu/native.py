@@ -15,8 +15,9 @@ threaded plan's kernels run in ranges on torch's OpenMP team, opened from C++
 (``_parallel.team_addresses``), the ranges of the Python launch.
 
 Where it runs (``node`` gives None otherwise, and the Python plan runs): a contiguous
-input, in the ``rows`` and ``planes`` families (LayerNorm/RMSNorm; Batch/Instance/GroupNorm
-on NCHW), whose plan neither streams its output (``tuning.stream_out``: from the last
+input in the ``rows`` and ``planes`` families (LayerNorm/RMSNorm; Batch/Instance/GroupNorm
+on NCHW), or a BatchNorm input of the ``columns`` family (channels_last, or (N, C)), whose
+plan neither streams its output (``tuning.stream_out``: from the last
 level cache's size, where the kernel's time dwarfs a call's) nor asks for huge pages
 (``NORMKIT_HUGE_PAGES=1``), serial or threaded on torch's OpenMP runtime (a threaded plan
 without one, on normkit's thread pool, stays in Python). A double backward
@@ -45,12 +46,13 @@ from normkit.backends.cpu import entries
 __all__ = ["extension", "node", "enabled", "switch", "threads_in_cpp"]
 
 SIGNATURE = types.void(types.CPointer(types.int64), types.float64)
-SUMS, LO, HI = 21, 22, 23           # native.cpp: kSums, kLo, kHi
+STAGE, SUMS, LO, HI = 20, 21, 22, 23    # native.cpp: kStage, kSums, kLo, kHi
 
 # The kernels' argument arrays (native.cpp): forward a = (x, y, w, b, mean, rstd, var,
 # from_var, constants...), backward a = (g, x, dx, w, mean, rstd, dw, db, constants...);
-# a[SUMS]: a threaded planes backward's (2, N, C) sums (0: none), a[LO], a[HI]: the range
-# of work items of this call (one thread's, or all of them).
+# a[SUMS]: a threaded planes backward's (2, N, C) sums (0: none), or the columns' scratch;
+# a[STAGE]: the columns' stage; a[LO], a[HI]: the range of work items of this call (one
+# thread's, or all of them).
 # proto and sproto, empty arrays of the storage and statistics dtypes, are compile-time
 # constants of each callback (closure variables; numba's cache keys on them).
 
@@ -157,6 +159,24 @@ def _channels_fixed_small(proto, sproto):
             _kernels(_channels_small, proto, sproto)[1])
 
 
+def _columns(proto, sproto):
+    """constants (M, C, rows, run) forward, (M, C, rows, run, center, fixed) backward;
+    a[STAGE]: the stage (``columns``), a[SUMS]: the (2, chunks, C) float64 scratch."""
+    @cfunc(SIGNATURE, cache=True)
+    def forward(a, eps):
+        entries.columns_forward((a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[SUMS]),
+                                (a[8], a[9], a[10], a[11]), proto, sproto, eps, a[7] != 0,
+                                False, a[STAGE], a[LO], a[HI])
+
+    @cfunc(SIGNATURE, cache=True)
+    def backward(a, eps):
+        entries.columns_backward((a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[SUMS]),
+                                 (a[8], a[9], a[10], a[11]), proto, sproto, a[12] != 0,
+                                 a[13] != 0, False, a[STAGE], a[LO], a[HI])
+
+    return forward, backward
+
+
 _KERNELS = {}
 
 
@@ -170,16 +190,19 @@ def _kernels(family, proto, sproto):
     return found
 
 
-ROW_CHUNKS, PLANE_SUMS = 1, 2                       # native.cpp: Partials
+ROW_CHUNKS, PLANE_SUMS, COLUMN_CHUNKS = 1, 2, 3    # native.cpp: Partials
 
 
 def _work(plan):
     """(forward units, backward units, threads, partials, partial rows) of a plan, as its
     Python ``run`` splits the work (``plans``): rows over M forward and over one chunk per
     thread backward, each chunk with its (K,) partial gradients; planes over their units
-    both ways, a threaded backward leaving (2, N, C) sums."""
+    both ways, a threaded backward leaving (2, N, C) sums; columns in stages, over their
+    chunks of rows and then over the rows, both ways (``columns``)."""
     if plan.cpp_family == "rows":
         return [plan.m, plan.threads, plan.threads, ROW_CHUNKS, plan.threads]
+    if plan.cpp_family == "columns":
+        return [plan.mcr[0], plan.mcr[0], plan.threads, COLUMN_CHUNKS, plan.chunks]
     return [plan.forward_units, plan.units, plan.threads, PLANE_SUMS, plan.n]
 
 
@@ -189,6 +212,9 @@ def _family(plan):
     if plan.cpp_family == "rows":
         consts = [plan.m, plan.k, int(plan.center), plan.ahead]
         return _rows, consts, consts + [plan.threads], True
+    if plan.cpp_family == "columns":
+        consts = list(plan.mcr)
+        return _columns, consts, consts + [int(plan.center), int(plan.fixed)], False
     if plan.cpp_family != "planes":
         return None
     ncs, center, fixed = list(plan.ncs), int(plan.center), int(plan.fixed)

@@ -10,7 +10,8 @@ On a small tensor the Python around the kernel is most of the time (``docs/perfo
 
 ``RowsPlan``          LayerNorm/RMSNorm on contiguous (M, K)               (``rows``)
 ``PlanesPlan``        Batch/Instance/GroupNorm on contiguous NCHW planes   (``planes``)
-``ChannelsLastPlan``  Batch/Instance/GroupNorm on channels_last           (``channels_last``)
+``ColumnsPlan``       BatchNorm on rows of channels: channels_last, (N, C) (``columns``)
+``ChannelsLastPlan``  Instance/GroupNorm on channels_last                  (``channels_last``)
 
 Every plan has ``forward(x, weight, bias, eps, mean=None, rstd=None, keep_stats=True,
 var=None) -> (y, mean, rstd, var)`` (statistics None with ``keep_stats=False``; fixed
@@ -35,7 +36,7 @@ from normkit.backends.cpu import channels_last as cl
 from normkit.backends.cpu import entries, native, tuning
 from normkit.backends.torch_ops import rstd_from_var, stat_dtype
 
-__all__ = ["RowsPlan", "PlanesPlan", "ChannelsLastPlan", "np_view"]
+__all__ = ["RowsPlan", "PlanesPlan", "ColumnsPlan", "ChannelsLastPlan", "np_view"]
 
 # storage dtype seen by the kernels for each torch dtype (see ``half``)
 _STORAGE = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}
@@ -304,6 +305,65 @@ class PlanesPlan(_ChannelsPlan):
         if not serial:
             entries.param_sums((sums.data_ptr(), db.data_ptr(), dw.data_ptr()), self.n,
                                self.c, self.sproto)
+        return _asked(needs, dx, dw, db)
+
+
+class ColumnsPlan(_ChannelsPlan):
+    """BatchNorm on an (M, C) matrix of rows of channels (``columns``): channels_last
+    (M = N * S positions) or (N, C); chunks of rows, each direction in three stages."""
+
+    cpp_family = "columns"
+
+    def __init__(self, x, grouping, center, fixed):
+        super().__init__(x, grouping, center, fixed)
+        m = self.n * self.s
+        self.mcr = (m, self.c, *tuning.cl_blocks(self.c, self.itemsize))  # M, C, rows, run
+        self.chunks = -(-m // self.mcr[2])
+
+    def _sums(self):
+        return torch.empty((2, self.chunks, self.c), dtype=torch.float64)
+
+    def _stages(self, entry, at, *args):
+        """``entry`` (``entries.columns_*``) in stages 0, 1, 2 (``columns``)."""
+        self.run(entry, self.chunks, at, self.mcr, *args, 0)
+        entry(at, self.mcr, *args, 1, 0, 1)
+        self.run(entry, self.mcr[0], at, self.mcr, *args, 2)
+
+    def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
+        if self.native is not None:
+            return _native_forward(self.native, x, weight, bias, eps, mean, rstd, keep_stats,
+                                   var)
+        y = self.empty(x)
+        w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
+        from_var = rstd is None and var is not None
+        at = (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr())
+        args = (self.proto, self.sproto, float(eps), from_var, self.stream(y))
+        if self.fixed:     # rstd, or var for it; stage 2 alone
+            mean, given = self.stat(mean), self.stat(var if from_var else rstd)
+            self.run(entries.columns_forward, self.mcr[0],
+                     (*at, mean.data_ptr(), given.data_ptr(), 0, 0), self.mcr, *args, 2)
+            return y, mean, rstd, None
+        stats, addresses = self.stats()                            # (stage 2 reads them)
+        sums = self._sums()
+        self._stages(entries.columns_forward, (*at, *addresses, sums.data_ptr()), *args)
+        return _outputs(y, stats, keep_stats)
+
+    def backward(self, grad, x, mean, rstd, weight, needs):
+        if self.native is not None:
+            return _asked(needs, *self.native.backward(grad, x, weight, mean, rstd))
+        rows = grad.reshape(self.n, self.c, self.s).transpose(1, 2)  # N, S, C
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        dx = self.empty(x)
+        dw = torch.empty(self.c, dtype=self.sdtype)
+        db = torch.empty(self.c, dtype=self.sdtype)
+        w, mean, rstd = self.param(weight, self.ones), self.stat(mean), self.stat(rstd)
+        sums = self._sums()
+        self._stages(entries.columns_backward,
+                     (rows.data_ptr(), x.data_ptr(), dx.data_ptr(), w.data_ptr(),
+                      mean.data_ptr(), rstd.data_ptr(), dw.data_ptr(), db.data_ptr(),
+                      sums.data_ptr()), self.proto, self.sproto, self.center, self.fixed,
+                     self.stream(dx))
         return _asked(needs, dx, dw, db)
 
 

@@ -131,3 +131,4 @@ def cl_blocks(c, itemsize):
     lanes (about ``RUN_LANES`` elements); the block is a whole number of runs."""
     run = max(1, RUN_LANES // c)
     return max(1, BLOCK_BYTES // (c * itemsize) // run) * run, run
+
