@@ -211,6 +211,19 @@ def test_bench_models_control_times_an_untouched_copy(capsys):
     assert "control" not in format_models([dict(rows[0], control=None)]).splitlines()[0]
 
 
+def test_bench_models_channels_last_and_batch_norm_1d_rows(capsys):
+    from normkit.cli import main
+
+    rc = main(["bench", "--models", "study-cnn-b32-cl", "mlp-bn1d", "--json", "--no-progress",
+               "--repeats", "1"])
+    assert rc == 0
+    rows = {(r["model"], r["mode"]): r for r in json.loads(capsys.readouterr().out)["models"]}
+    assert set(rows) == {(m, mode) for m in ("study-cnn-b32-cl", "mlp-bn1d")
+                         for mode in ("train", "infer")}
+    assert rows["study-cnn-b32-cl", "train"]["norms_converted"] == 4
+    assert rows["mlp-bn1d", "train"]["norms_converted"] == 2
+
+
 def test_bench_models_rejects_unknown_names(capsys):
     from normkit.cli import main
 

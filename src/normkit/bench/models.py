@@ -75,16 +75,35 @@ def llm(family, hidden=1024, layers=2):
     return model_cls(config)
 
 
-def images(batch, size, channels=3):
+def mlp():
+    """A tabular MLP with BatchNorm1d: 64 features, two hidden layers of 512, 10 outputs."""
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(64, 512), nn.BatchNorm1d(512), nn.ReLU(),
+                         nn.Linear(512, 512), nn.BatchNorm1d(512), nn.ReLU(),
+                         nn.Linear(512, 10))
+
+
+def _channels_last(build):
+    """``build``'s model in channels_last memory (what oneDNN's convolutions prefer)."""
+    return lambda: build().to(memory_format=torch.channels_last)
+
+
+def images(batch, size, channels=3, memory_format=torch.contiguous_format):
     """A fixed random batch of images, (batch, channels, size, size)."""
-    return torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(0))
+    return x.contiguous(memory_format=memory_format)
+
+
+def _table(batch, features=64):
+    return torch.randn(batch, features, generator=torch.Generator().manual_seed(0))
 
 
 def _tokens(batch, seq):
     return torch.randint(0, 8192, (batch, seq), generator=torch.Generator().manual_seed(0))
 
 
-#: name -> (description, build, make input, modes); the table of issue #19 and the LLMs of #23
+#: name -> (description, build, make input, modes); the table of issue #19, the LLMs of
+#: #23, and the layouts #19's table left out: channels_last and BatchNorm1d
 MODELS = {
     "siglip": ("SiglipVisionModel, ViT-B/16 config, 4 layers, batch 8, 224 px",
                _siglip, lambda: images(8, 224), ("train", "infer")),
@@ -96,6 +115,15 @@ MODELS = {
                      study_cnn, lambda: images(2, 8, 1), ("train", "infer")),
     "study-cnn-b32": ("the study's digits CNN, batch 32",
                       study_cnn, lambda: images(32, 8, 1), ("train", "infer")),
+    "resnet18-cl": ("ResNetModel, ResNet-18 config, channels_last, batch 16, 224 px",
+                    _channels_last(_resnet18),
+                    lambda: images(16, 224, memory_format=torch.channels_last),
+                    ("train", "infer")),
+    "study-cnn-b32-cl": ("the study's digits CNN, channels_last, batch 32",
+                         _channels_last(study_cnn),
+                         lambda: images(32, 8, 1, torch.channels_last), ("train", "infer")),
+    "mlp-bn1d": ("an MLP on 64 features, 2 x (Linear 512, BatchNorm1d, ReLU), batch 256",
+                 mlp, lambda: _table(256), ("train", "infer")),
     "llama": ("LlamaForCausalLM, hidden 1024, 2 layers, seq 512, batch 2",
               lambda: llm("llama"), lambda: _tokens(2, 512), ("train",)),
     "gemma": ("GemmaForCausalLM, hidden 1024, 2 layers, seq 512, batch 2",
@@ -207,12 +235,16 @@ def run_models(names=None, repeats=5, progress=None, device="cpu", control=False
 def _calls():
     x4 = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
     x8 = torch.randn(8, 64, 8, 8, generator=torch.Generator().manual_seed(0))
+    x8_cl = x8.contiguous(memory_format=torch.channels_last)
+    x256 = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
     return {
         "LayerNorm (4, 64)": (lambda m: m.LayerNorm(64), x4, True),
         "RMSNorm (4, 64)": (lambda m: m.RMSNorm(64), x4, True),
         "BatchNorm2d (8, 64, 8, 8) train": (lambda m: m.BatchNorm2d(64), x8, True),
         "BatchNorm2d (8, 64, 8, 8) eval": (lambda m: m.BatchNorm2d(64), x8, False),
         "GroupNorm 8 groups (8, 64, 8, 8)": (lambda m: m.GroupNorm(8, 64), x8, True),
+        "BatchNorm2d (8,64,8,8) CL train": (lambda m: m.BatchNorm2d(64), x8_cl, True),
+        "BatchNorm1d (256, 512) train": (lambda m: m.BatchNorm1d(512), x256, True),
     }
 
 

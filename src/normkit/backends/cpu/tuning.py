@@ -117,8 +117,9 @@ def channel_block(channel_bytes):
     return max(1, CHANNEL_BLOCK_BYTES // channel_bytes)
 
 
-#: bytes of rows per block of lane sums (channels_last reductions): the block's first
-#: pass is read again from L2 (for the block's own mean), so it must fit there
+#: bytes of rows per block of lane sums (channels_last reductions; a chunk of the
+#: ``columns`` kernels): the block's first pass is read again from L2 (for the block's own
+#: mean), so it must fit there
 BLOCK_BYTES = 256 * 1024
 
 #: elements per run of lanes (channels_last reductions): a run of rows is read into this
@@ -131,4 +132,3 @@ def cl_blocks(c, itemsize):
     lanes (about ``RUN_LANES`` elements); the block is a whole number of runs."""
     run = max(1, RUN_LANES // c)
     return max(1, BLOCK_BYTES // (c * itemsize) // run) * run, run
-
