@@ -216,6 +216,17 @@ class _ChannelsPlan(_Plan):
         super().__init__(x, grouping, center, fixed, self.c)
         self.groups = _groups(grouping, self.c)
 
+    def _forward_inputs(self, x, weight, bias, mean, rstd, var):
+        """``(y, w, b, from_var, given)`` of a forward by address: the output, the
+        parameters, whether fixed statistics come as a variance (``rstd`` then computed in
+        the kernel), and those statistics ``(mean, rstd or var)`` as the kernels read them
+        (None without)."""
+        y = self.empty(x)
+        w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
+        from_var = rstd is None and var is not None
+        given = (self.stat(mean), self.stat(var if from_var else rstd)) if self.fixed else None
+        return y, w, b, from_var, given
+
 
 class PlanesPlan(_ChannelsPlan):
     """Contiguous NCHW: per channel (BatchNorm, blocks of channels) or per (sample,
@@ -242,12 +253,10 @@ class PlanesPlan(_ChannelsPlan):
         if self.native is not None:
             return _native_forward(self.native, x, weight, bias, eps, mean, rstd, keep_stats,
                                    var)
-        y = self.empty(x)
-        w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
-        from_var = rstd is None and var is not None
+        y, w, b, from_var, given = self._forward_inputs(x, weight, bias, mean, rstd, var)
         if self.fixed:     # read, never written (the third: unused); rstd, or var for it
-            mean, given = self.stat(mean), self.stat(var if from_var else rstd)
-            addresses = (mean.data_ptr(), given.data_ptr(), mean.data_ptr())
+            mean = given[0]
+            addresses = (mean.data_ptr(), given[1].data_ptr(), mean.data_ptr())
         else:
             stats, addresses = self.stats(keep_stats)
         at = (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr(), *addresses)
@@ -333,16 +342,13 @@ class ColumnsPlan(_ChannelsPlan):
         if self.native is not None:
             return _native_forward(self.native, x, weight, bias, eps, mean, rstd, keep_stats,
                                    var)
-        y = self.empty(x)
-        w, b = self.param(weight, self.ones), self.param(bias, self.zeros)
-        from_var = rstd is None and var is not None
+        y, w, b, from_var, given = self._forward_inputs(x, weight, bias, mean, rstd, var)
         at = (x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr())
         args = (self.proto, self.sproto, float(eps), from_var, self.stream(y))
         if self.fixed:     # rstd, or var for it; stage 2 alone
-            mean, given = self.stat(mean), self.stat(var if from_var else rstd)
             self.run(entries.columns_forward, self.mcr[0],
-                     (*at, mean.data_ptr(), given.data_ptr(), 0, 0), self.mcr, *args, 2)
-            return y, mean, rstd, None
+                     (*at, given[0].data_ptr(), given[1].data_ptr(), 0, 0), self.mcr, *args, 2)
+            return y, given[0], rstd, None
         stats, addresses = self.stats()                            # (stage 2 reads them)
         sums = self._sums()
         self._stages(entries.columns_forward, (*at, *addresses, sums.data_ptr()), *args)
