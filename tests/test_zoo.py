@@ -3,6 +3,7 @@ written the way timm writes its norm layers: every norm-like module swapped or r
 outputs, gradients and running statistics equal to the untouched model's, revert
 restores the classes."""
 
+import copy
 import pickle
 
 import pytest
@@ -209,6 +210,25 @@ def test_timm_style_layers_are_routed(mode):
         _assert_close(b.double(), a.double(), f"state {n}")
     normkit.revert(converted)
     assert [type(m) for m in converted] == [type(m) for m in original]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_channels_first_layer_norm_runs_the_rows_kernel(dtype):
+    # a routed channels-first LayerNorm: the layer norm of the channels-last rows (a copy
+    # in, as the model's own permute does, then the C++ node), not a strided reduction
+    torch.manual_seed(0)
+    original = LayerNorm2d(8).to(dtype)
+    with torch.no_grad():
+        original.weight.uniform_(0.5, 1.5), original.bias.uniform_(-1, 1)
+    converted = normkit.convert(nn.Sequential(copy.deepcopy(original))).model[0]
+    x = torch.randn(3, 8, 5, 7, dtype=dtype)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a, b = original(xa), converted(xb)
+    assert "NormNode" in b.grad_fn.next_functions[0][0].name()      # (under the movedim)
+    torch.testing.assert_close(b, a)                  # (torch's defaults for the dtype)
+    a.square().sum().backward(), b.square().sum().backward()
+    torch.testing.assert_close(xb.grad, xa.grad)
+    torch.testing.assert_close(converted.weight.grad, original.weight.grad)
 
 
 def test_routing_is_per_module_and_leaves_torch_functions_alone():

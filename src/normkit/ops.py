@@ -316,6 +316,10 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
             x.requires_grad or (weight is not None and weight.requires_grad)
             or (bias is not None and bias.requires_grad))
         contiguous = x.is_contiguous()
+        if not contiguous and grouping.kind == "layer" and x.device.type == "cpu":
+            # rows that are not one block of memory (a permuted view: ConvNeXt's blocks)
+            # are copied to rows of K on any path: copied here, the node runs them
+            x, contiguous = x.contiguous(), True
         # the C++ node: a contiguous input, or BatchNorm's channels_last (the plan of its
         # view; the node reads any shape of that memory)
         xv = x if contiguous else _rows_of_channels_view(x, grouping)

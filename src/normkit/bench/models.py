@@ -49,6 +49,13 @@ def _resnet18():
     return transformers.ResNetModel(config)
 
 
+def _convnext():
+    import transformers
+
+    config = transformers.ConvNextConfig(hidden_sizes=[96, 192, 384, 768], depths=[1, 1, 3, 1])
+    return transformers.ConvNextModel(config)
+
+
 def study_cnn():
     """The study's digits CNN with torch.nn BatchNorm2d layers (the untouched model)."""
     from normkit import revert
@@ -103,7 +110,7 @@ def _tokens(batch, seq):
 
 
 #: name -> (description, build, make input, modes); the table of issue #19, the LLMs of
-#: #23, and the layouts #19's table left out: channels_last and BatchNorm1d
+#: #23, and what #19's table left out: channels_last, BatchNorm1d, ConvNeXt's LayerNorms
 MODELS = {
     "siglip": ("SiglipVisionModel, ViT-B/16 config, 4 layers, batch 8, 224 px",
                _siglip, lambda: images(8, 224), ("train", "infer")),
@@ -122,6 +129,8 @@ MODELS = {
     "study-cnn-b32-cl": ("the study's digits CNN, channels_last, batch 32",
                          _channels_last(study_cnn),
                          lambda: images(32, 8, 1, torch.channels_last), ("train", "infer")),
+    "convnext": ("ConvNextModel, ConvNeXt-T widths, depths 1-1-3-1, batch 8, 64 px",
+                 _convnext, lambda: images(8, 64), ("train", "infer")),
     "mlp-bn1d": ("an MLP on 64 features, 2 x (Linear 512, BatchNorm1d, ReLU), batch 256",
                  mlp, lambda: _table(256), ("train", "infer")),
     "llama": ("LlamaForCausalLM, hidden 1024, 2 layers, seq 512, batch 2",
