@@ -4,6 +4,7 @@ outputs, gradients and running statistics equal to the untouched model's, revert
 restores the classes."""
 
 import copy
+import inspect
 import pickle
 
 import pytest
@@ -19,12 +20,21 @@ from zoo_models import VISION, build, pixels  # noqa: E402
 NORM_BASES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 # (swapped, routed) where the issue's table names the model
-EXPECTED = {"convnext": (1, 4), "convnextv2": (1, 4), "bit": (0, 7), "poolformer": (4, 0)}
+# (bit: 7 GroupNorm activations, 9 weight-standardized convolutions)
+EXPECTED = {"convnext": (1, 4), "convnextv2": (1, 4), "bit": (0, 16), "poolformer": (4, 0)}
 
 
 def _norm_like(model):
+    """Norm modules, and convolutions that standardize their weight with a norm op."""
     return {n for n, m in model.named_modules()
-            if isinstance(m, NORM_BASES) or "Norm" in type(m).__name__}
+            if isinstance(m, NORM_BASES) or "Norm" in type(m).__name__ or _standardized(m)}
+
+
+def _standardized(module):
+    kind = type(module)
+    return (isinstance(module, nn.modules.conv._ConvNd)
+            and kind.__module__ != nn.Conv2d.__module__
+            and "batch_norm" in inspect.getsource(kind.forward))
 
 
 def _seeded(model):
@@ -229,6 +239,50 @@ def test_channels_first_layer_norm_runs_the_rows_kernel(dtype):
     a.square().sum().backward(), b.square().sum().backward()
     torch.testing.assert_close(xb.grad, xa.grad)
     torch.testing.assert_close(converted.weight.grad, original.weight.grad)
+
+
+class StdConv2d(nn.Conv2d):
+    """timm's weight-standardized convolution, as timm writes it."""
+
+    def __init__(self, *args, eps=1e-6, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eps = eps
+
+    def forward(self, x):
+        weight = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None,
+                              training=True, momentum=0.0, eps=self.eps).reshape_as(self.weight)
+        return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation,
+                        self.groups)
+
+
+def _graph_names(y):
+    """The names of every autograd node behind ``y``, joined."""
+    names, todo, seen = [], [y.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(fn.name())
+        todo.extend(f for f, _ in fn.next_functions)
+    return " ".join(names)
+
+
+def test_weight_standardized_convolution_is_routed():
+    torch.manual_seed(0)
+    original = nn.Sequential(StdConv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 1)).double()
+    converted = copy.deepcopy(original)
+    report = normkit.convert(converted)
+    assert [n for n, _, _ in report.routed] == ["0"] and report.left == []  # plain conv kept
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    a, b = original(x), converted(x)
+    _assert_close(b, a, "output")
+    assert "NormNode" in _graph_names(b) and "NormNode" not in _graph_names(a)
+    a.square().sum().backward(), b.square().sum().backward()
+    for (n, pa), (_, pb) in zip(original.named_parameters(), converted.named_parameters()):
+        _assert_close(pb.grad, pa.grad, f"grad {n}", _grad_scale(original))
+    normkit.revert(converted)
+    assert type(converted[0]) is StdConv2d
 
 
 def test_routing_is_per_module_and_leaves_torch_functions_alone():

@@ -56,6 +56,12 @@ def _convnext():
     return transformers.ConvNextModel(config)
 
 
+def _bit():
+    import transformers
+
+    return transformers.BitModel(transformers.BitConfig())          # BiT-R50x1
+
+
 def study_cnn():
     """The study's digits CNN with torch.nn BatchNorm2d layers (the untouched model)."""
     from normkit import revert
@@ -110,7 +116,7 @@ def _tokens(batch, seq):
 
 
 #: name -> (description, build, make input, modes); the table of issue #19, the LLMs of
-#: #23, and what #19's table left out: channels_last, BatchNorm1d, ConvNeXt's LayerNorms
+#: #23, and what #19's table left out: channels_last, BatchNorm1d, ConvNeXt, BiT
 MODELS = {
     "siglip": ("SiglipVisionModel, ViT-B/16 config, 4 layers, batch 8, 224 px",
                _siglip, lambda: images(8, 224), ("train", "infer")),
@@ -131,6 +137,8 @@ MODELS = {
                          lambda: images(32, 8, 1, torch.channels_last), ("train", "infer")),
     "convnext": ("ConvNextModel, ConvNeXt-T widths, depths 1-1-3-1, batch 8, 64 px",
                  _convnext, lambda: images(8, 64), ("train", "infer")),
+    "bit": ("BitModel, BiT-R50x1 config (GroupNorm, weight-standardized convs), batch 2, "
+            "224 px", _bit, lambda: images(2, 224), ("train", "infer")),
     "mlp-bn1d": ("an MLP on 64 features, 2 x (Linear 512, BatchNorm1d, ReLU), batch 256",
                  mlp, lambda: _table(256), ("train", "infer")),
     "llama": ("LlamaForCausalLM, hidden 1024, 2 layers, seq 512, batch 2",

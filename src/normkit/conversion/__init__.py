@@ -13,7 +13,11 @@ on normkit, in place, and back.
 3. **swap** a language model's RMSNorm (a ``weight``, an epsilon, and a forward that
    computes one of the RMSNorm casting rules on probe inputs) for ``normkit.nn.RMSNorm``
    with that rule (``llm``);
-4. otherwise, if the module is norm-like (a torch norm subclass, or a class whose name
+4. **route** a convolution subclass whose methods call those norm ops: a weight-
+   standardized convolution (BiT's ``WeightStandardizedConv2d``, timm's ``StdConv2d``)
+   standardizes its weight with ``batch_norm`` over (1, out_channels, fan_in) on every
+   call, where torch's kernel takes several times normkit's (``route``);
+5. otherwise, if the module is norm-like (a torch norm subclass, or a class whose name
    contains ``Norm``), **leave** it and say why in the report.
 
 With ``fuse_residual=True`` it then **fuses** each add that directly precedes a norm call
@@ -40,6 +44,7 @@ from normkit.conversion.report import ConversionReport
 __all__ = ["convert", "revert", "ConversionReport"]
 
 _TORCH_BASES = tuple(src for src, _, _ in swap.PAIRS) + (nn.modules.batchnorm._NormBase,)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMKIT_BASES = tuple(dst for _, dst, _ in swap.PAIRS) + (nknn._base.NormBase,)
 
 
@@ -80,6 +85,12 @@ def _convert_one(name, module, report):
         if isinstance(rule, tuple):
             return llm.swap_rms(module, eps_name, rule)
         report.left.append((name, qualified(kind), f"RMSNorm-shaped, but {rule}"))
+        return None
+    conv = next((c for c in _CONVS if isinstance(module, c)), None)
+    if conv is not None and kind is not conv:
+        how = route.route(module, conv)
+        if how is not None:
+            report.routed.append((name, qualified(kind), how))
         return None
     if isinstance(module, _TORCH_BASES):
         report.left.append((name, qualified(kind), "a torch norm class normkit has no twin for "

@@ -19,13 +19,17 @@ original. The globals are a snapshot taken when the class is first routed.
 LayerNorm subclasses over one channel dim are recognised by what their forward does on
 a probe input: channels-last (transformers' ``ConvNextLayerNorm``'s default) is
 ``layer_norm`` over the last dim; channels-first (``ConvNextLayerNorm(...,
-data_format="channels_first")``, timm's ``LayerNorm2d``) is ``normalize`` over dim 1
+data_format="channels_first")``, timm's ``LayerNorm2d``) is the layer norm over dim 1
 with the per-channel affine
 
 .. math:: y_{n,c,\dots} = \gamma_c\,\frac{x_{n,c,\dots} - \mu_{n,\dots}}
           {\sqrt{\sigma^2_{n,\dots} + \epsilon}} + \beta_c
 
-so no permute is run. Their forward is replaced by that one call.
+run as ``layer_norm`` of the channels-last view (``_channels_first_forward``). Their
+forward is replaced by that one call.
+
+The same routing serves a convolution subclass whose methods call the norm ops (weight
+standardization, ``normkit.convert``'s step 4).
 """
 
 from __future__ import annotations
