@@ -168,7 +168,8 @@ def test_parameters_of_another_dtype_get_gradients_in_theirs():
     assert w.grad.dtype == torch.bfloat16 and b.grad.shape == (6,)
 
 
-@pytest.mark.parametrize("name", ["layer", "batch", "batch-eval", "group"])
+@pytest.mark.parametrize("name", ["layer", "batch", "batch-eval", "group", "batch-rows",
+                                  "batch-eval-rows"])
 def test_double_backward(name):
     torch.manual_seed(0)
     x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
@@ -177,7 +178,14 @@ def test_double_backward(name):
     fns = {"layer": lambda x, w: NF.layer_norm(x.transpose(1, 2).contiguous(), (4,), w),
            "batch": lambda x, w: NF.batch_norm(x, None, None, w, None, True),
            "batch-eval": lambda x, w: NF.batch_norm(x, rm, rv, w, None, False),
-           "group": lambda x, w: NF.group_norm(x, 2, w)}
+           "group": lambda x, w: NF.group_norm(x, 2, w),
+           # rows of channels (the columns family): (N, L, C) memory seen as (N, C, L)
+           "batch-rows": lambda x, w: NF.batch_norm(x.transpose(1, 2).contiguous()
+                                                    .transpose(1, 2), None, None, w, None,
+                                                    True),
+           "batch-eval-rows": lambda x, w: NF.batch_norm(x.transpose(1, 2).contiguous()
+                                                         .transpose(1, 2), rm, rv, w, None,
+                                                         False)}
     assert "NormNode" in _node_name(fns[name](x, w))
     assert torch.autograd.gradgradcheck(fns[name], (x, w))
 
