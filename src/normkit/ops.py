@@ -363,8 +363,9 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
 
 
 def _rows_of_channels_view(x, grouping):
-    """The grouping's view of a BatchNorm input whose channels come first in memory
-    (channels_last: the ``columns`` family's node reads it), else None."""
+    """The grouping's view of a BatchNorm input whose channels are adjacent in memory
+    (stride 1: channels_last, whose rows of channels the ``columns`` family's node
+    reads), else None."""
     if grouping.kind != "batch" or x.dim() < 3 or x.stride(1) != 1:
         return None
     try:

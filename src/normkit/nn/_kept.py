@@ -47,9 +47,9 @@ class KeptNode:
     _rows_of_channels = False
 
     def _plain_call(self, x) -> bool:
-        """Whether this call may take a kept node: eager, a plain contiguous tensor (or
-        channels first in memory, ``_rows_of_channels``), no dispatch mode, an exact
-        normkit class."""
+        """Whether this call may take a kept node: eager, a plain contiguous tensor (or,
+        for a ``_rows_of_channels`` layer, one whose channels are adjacent in memory:
+        channels_last), no dispatch mode, an exact normkit class."""
         return not (torch.compiler.is_compiling() or type(x) is not torch.Tensor
                     or type(self) not in self._plain_classes
                     or torch._C._len_torch_dispatch_stack()

@@ -17,12 +17,12 @@ threaded plan's kernels run in ranges on torch's OpenMP team, opened from C++
 Where it runs (``node`` gives None otherwise, and the Python plan runs): a contiguous
 input in the ``rows`` and ``planes`` families (LayerNorm/RMSNorm; Batch/Instance/GroupNorm
 on NCHW), or a BatchNorm input of the ``columns`` family (channels_last, or (N, C)), whose
-plan neither streams its output (``tuning.stream_out``: from the last
-level cache's size, where the kernel's time dwarfs a call's) nor asks for huge pages
-(``NORMKIT_HUGE_PAGES=1``), serial or threaded on torch's OpenMP runtime (a threaded plan
-without one, on normkit's thread pool, stays in Python). A double backward
-(``create_graph=True``) goes from the C++ node to ``torch.ops.normkit.norm_backward``,
-whose autograd differentiates the formula, as on the Python path.
+plan neither streams its output (``tuning.stream_out``: from the last level cache's size,
+where the kernel's time dwarfs a call's) nor asks for huge pages (``NORMKIT_HUGE_PAGES=1``),
+serial or threaded on torch's OpenMP runtime (a threaded plan without one, on normkit's
+thread pool, stays in Python). A double backward (``create_graph=True``) goes from the C++
+node to ``torch.ops.normkit.norm_backward``, whose autograd differentiates the formula, as
+on the Python path.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is
 needed on a machine (a C++ compiler and ninja, about 35 s; cached in torch's extension
