@@ -76,8 +76,8 @@ def test_eval_batch_norm_serial_by_channel_threaded_by_plane(shape, dtype, monke
 
 def test_threads_rule(monkeypatch):
     # a launch from C++ splits from NATIVE_SERIAL_BELOW, one from Python from SERIAL_BELOW;
-    # channels_last Instance/GroupNorm plans have no C++ callbacks; NCHW planes and
-    # BatchNorm on channels_last (columns) do (where the node builds)
+    # channels_last InstanceNorm with given statistics has no C++ callbacks; the others,
+    # NCHW or channels_last, do (where the node builds)
     from normkit import grouping as G
     from normkit.backends import cpu
     from normkit.backends.cpu import native
@@ -88,8 +88,9 @@ def test_threads_rule(monkeypatch):
     x = torch.zeros(3, 6, 9, 11)                                     # 1782 elements
     assert tuning.threads(x) == 1 and tuning.threads(x, native=True) == 4
     xc = x.to(memory_format=torch.channels_last)
-    assert cpu.plan(xc, G.instance(x.shape)).threads == 1
+    assert cpu.plan(xc, G.instance(x.shape), fixed=True).threads == 1
     in_cpp = 4 if native.threads_in_cpp() else 1
+    assert cpu.plan(xc, G.instance(x.shape)).threads == in_cpp
     assert cpu.plan(xc, G.batch(x.shape)).threads == in_cpp
     assert cpu.plan(x, G.batch(x.shape)).threads == in_cpp
 

@@ -89,15 +89,19 @@ def test_node_matches_the_python_plans_and_the_reference(op, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", cases.DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(4, 6, 3, 5), (2, 6, 20, 20), (3, 5, 4, 2, 3), (5, 7, 1)],
+@pytest.mark.parametrize("op,shape", [("batch", (4, 6, 3, 5)), ("batch", (2, 6, 20, 20)),
+                                      ("batch", (3, 5, 4, 2, 3)), ("batch", (5, 7, 1)),
+                                      ("group", (4, 6, 3, 5)), ("group", (2, 6, 20, 20)),
+                                      ("instance", (4, 6, 3, 5)), ("group", (3, 6, 4, 2, 3))],
                          ids=str)
-def test_batch_norm_node_on_channels_last(shape, dtype):
-    # BatchNorm on rows of channels (the columns family): channels_last inputs, and an
-    # (N, C, 1), take the node too; the gradient comes in either layout
+def test_node_on_channels_last(op, shape, dtype):
+    # channels_last inputs take the node too (BatchNorm: the columns family, also an
+    # (N, C, 1); Instance/GroupNorm: the channels_last family in stages); the gradient
+    # comes in either layout
     c = shape[1]
     x, w, b, dy = cases.inputs(shape, dtype, c, "channels_last" if len(shape) > 3 else
                                "contiguous", offset=1.0)
-    fn, ref = cases.op("batch", c)
+    fn, ref = cases.op(op, c)
     node, python = _both_paths(fn, x, w, b, dy)
     for p, q, name in zip(node, python, ("y", "dx", "dweight", "dbias")):
         _near(p, q, dtype, name)
@@ -109,8 +113,24 @@ def test_batch_norm_node_on_channels_last(shape, dtype):
     _near(xr.grad, node[1], dtype, "dx of a contiguous gradient")
 
 
+@pytest.mark.parametrize("kind", ["batch", "group"])
+def test_channels_last_node_refuses_other_memory(kind):
+    # a staged plan's node reads rows of channels: the same sizes in NCHW memory, or with
+    # the positions not C apart, are refused before any kernel runs
+    x = torch.randn(4, 6, 3, 5).contiguous(memory_format=torch.channels_last)
+    grouping = G.batch(x.shape) if kind == "batch" else G.group(x.shape, 2)
+    node = backends.plan(x, grouping).native
+    assert node is not None
+    node.forward(x, None, None, 1e-5, None, None, False, False)            # its own memory
+    node.forward(x.view(grouping.view), None, None, 1e-5, None, None, False, False)
+    for other in (x.contiguous(), x.transpose(2, 3)):
+        with pytest.raises(RuntimeError, match="channels_last"):
+            node.forward(other, None, None, 1e-5, None, None, False, False)
+
+
 @pytest.mark.parametrize("op", ["layer", "rms", "batch", "group", "instance",
-                                "batch-channels_last"])
+                                "batch-channels_last", "group-channels_last",
+                                "instance-channels_last"])
 def test_both_sides_of_the_serial_threshold(op, monkeypatch):
     # below SERIAL_BELOW the node runs its kernels on the calling thread, from it in
     # ranges on torch's OpenMP team (partial gradients per range, added up in C++): the
@@ -443,6 +463,18 @@ def _per_sample(name, dtype=torch.float32):
             ours.bias.uniform_(-1, 1)
     theirs.load_state_dict(ours.state_dict())
     return ours, theirs, torch.randn(shape).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_group_norm_layer_keeps_a_node_per_layout(dtype):
+    # channels_last, then NCHW of the same shape: a node each (strides in the key), both
+    # torch's values, the channels_last output channels_last
+    ours, theirs, x = _per_sample("group", dtype)
+    xc = x.contiguous(memory_format=torch.channels_last)
+    for data in (xc, x):
+        _kept_against_torch(ours, theirs, data, "_node", dtype)
+        assert ours._node[0][1] == data.stride()
+    assert ours(xc).is_contiguous(memory_format=torch.channels_last)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -320,8 +320,8 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
             # rows that are not one block of memory (a permuted view: ConvNeXt's blocks)
             # are copied to rows of K on any path: copied here, the node runs them
             x, contiguous = x.contiguous(), True
-        # the C++ node: a contiguous input, or BatchNorm's channels_last (the plan of its
-        # view; the node reads any shape of that memory)
+        # the C++ node: a contiguous input, or a channels_last one (the plan of its view;
+        # the node reads any shape of that memory)
         xv = x if contiguous else _rows_of_channels_view(x, grouping)
         if xv is not None:
             plan = backends.plan(xv, grouping, center, mean is not None)
@@ -363,10 +363,10 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
 
 
 def _rows_of_channels_view(x, grouping):
-    """The grouping's view of a BatchNorm input whose channels are adjacent in memory
-    (stride 1: channels_last, whose rows of channels the ``columns`` family's node
-    reads), else None."""
-    if grouping.kind != "batch" or x.dim() < 3 or x.stride(1) != 1:
+    """The grouping's view of a Batch/Instance/GroupNorm input whose channels are adjacent
+    in memory (stride 1: channels_last, whose rows of channels the ``columns`` and
+    ``channels_last`` families' nodes read), else None."""
+    if grouping.kind not in ("batch", "instance", "group") or x.dim() < 3 or x.stride(1) != 1:
         return None
     try:
         return x.view(grouping.view)

@@ -9,7 +9,7 @@ with its own parameters and buffers.
 
 The full path (``normkit.functional``) runs instead for anything else: traced calls, a
 tensor subclass or a dispatch mode, a non-contiguous input (but channels_last for
-BatchNorm), a subclass of the layer (parametrized layers are one), an input whose plan
+BatchNorm and GroupNorm), a subclass of the layer (parametrized layers are one), an input whose plan
 has no node (CUDA, strides no kernel family reads, streaming sizes), one the layer's
 checks refuse (it raises there, with its message), and a tensor the node refuses
 (another dtype, size or device after ``.half()``, ``.to()`` or ``param.data = ...``; the
@@ -43,7 +43,7 @@ class KeptNode:
             state.pop(slot, None)
         return state
 
-    #: whether a node may read channels_last memory (BatchNorm's, the columns family)
+    #: whether a node may read channels_last memory (BatchNorm's and GroupNorm's)
     _rows_of_channels = False
 
     def _plain_call(self, x) -> bool:

@@ -114,6 +114,7 @@ class GroupNorm(KeptNode, nn.Module):
     """
 
     __constants__ = ["num_groups", "num_channels", "eps", "affine"]
+    _rows_of_channels = True                          # (KeptNode: channels_last takes a node)
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None,
                  dtype=None, *, bias=True):
@@ -142,7 +143,11 @@ class GroupNorm(KeptNode, nn.Module):
         if (params is None or x.dim() < 2 or x.shape[1] != self.num_channels
                 or any(p is not None and p.numel() != self.num_channels for p in params)):
             return None
-        return backends.plan(x, F._group(x.shape, self.num_groups), True, False).native, None
+        try:                       # (channels_last strides that do not view as the groups)
+            plan = backends.plan(x, F._group(x.shape, self.num_groups), True, False)
+        except RuntimeError:
+            return None
+        return plan.native, None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         y = self._affine_node_call(input)

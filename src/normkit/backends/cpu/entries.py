@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
+from normkit.backends.cpu import channels_last as cl
 from normkit.backends.cpu import columns, planes, rows, running
 from normkit.backends.cpu.address import at as _at
 from normkit.backends.cpu.rows import JIT
@@ -25,7 +26,7 @@ from normkit.backends.cpu.rows import JIT
 __all__ = ["rows_forward", "rows_backward", "channels_small", "channels_small_backward",
            "planes_small", "planes_small_backward", "channels_forward", "channels_backward",
            "planes_forward", "planes_backward", "columns_forward", "columns_backward",
-           "param_sums", "running_update"]
+           "cl_forward", "cl_backward", "param_sums", "running_update"]
 
 
 @njit(**JIT)
@@ -222,6 +223,59 @@ def columns_backward(at, mcr, proto, sproto, center, fixed, stream, stage, lo, h
                                 (_at(at[6], sproto, (c,)), _at(at[7], sproto, (c,))))
     else:
         columns.dx_rows(g, x, w, stats, sums, _at(at[2], proto, (m * c,)), stream, lo, hi)
+
+
+# channels_last Instance/GroupNorm (``channels_last``) in the same three stages, for the C++
+# node: at as the columns', dims = (N, C, S, parts), unit = (sn, cg) (statistics of N * sn
+# units); the scratch: the per-range partials (2, N, parts, C) float64, then (4, N, C) of
+# the statistics dtype (the coefficients per (n, c))
+
+
+@register_jitable
+def _cl_scratch(address, dims, sproto):
+    n, c, s, parts = dims
+    partials = _at(address, np.empty(0, np.float64), (2, n, parts, c))
+    per_nc = _at(address + 16 * n * parts * c, sproto, (4, n, c))
+    return (partials[0], partials[1]), per_nc
+
+
+@njit(**JIT)
+def cl_forward(at, dims, blocks, unit, proto, sproto, eps, stage, lo, hi):
+    n, c, s, parts = dims
+    x = _at(at[0], proto, (n, s * c))
+    partials, per_nc = _cl_scratch(at[7], dims, sproto)
+    coefs = (per_nc[0], per_nc[1], per_nc[2])                       # mean, scale, shift
+    if stage == 0:
+        cl.nc_moments(x, c, parts, blocks, sproto, partials, lo, hi)
+    elif stage == 1:
+        u = n * unit[0]
+        stats = (_at(at[4], sproto, (u,)), _at(at[5], sproto, (u,)), _at(at[6], sproto, (u,)))
+        cl.nc_stats(partials, s, unit, eps, _at(at[2], sproto, (c,)), _at(at[3], sproto, (c,)),
+                    stats, coefs)
+    else:
+        cl.nc_apply(x, _at(at[1], proto, (n, s * c)), c, parts, coefs, False, lo, hi)
+
+
+@njit(**JIT)
+def cl_backward(at, dims, blocks, unit, count, proto, sproto, center, fixed, stage, lo, hi):
+    n, c, s, parts = dims
+    g, x = _at(at[0], proto, (n, s * c)), _at(at[1], proto, (n, s * c))
+    u = n * unit[0]
+    mean, rstd = _at(at[4], sproto, (u,)), _at(at[5], sproto, (u,))
+    partials, per_nc = _cl_scratch(at[8], dims, sproto)
+    if stage == 0:          # (each range expands the statistics per (n, c) for itself)
+        stats_nc = (np.empty((n, c), sproto.dtype), np.empty((n, c), sproto.dtype))
+        cl.nc_expand(mean, unit, stats_nc[0])
+        cl.nc_expand(rstd, unit, stats_nc[1])
+        cl.nc_grad_sums(g, x, c, parts, blocks, stats_nc, partials, lo, hi)
+    elif stage == 1:
+        cl.nc_grad_coefs(partials, rstd, _at(at[3], sproto, (c,)), unit, count, center, fixed,
+                         (per_nc[1], per_nc[2], per_nc[3]),
+                         (_at(at[6], sproto, (c,)), _at(at[7], sproto, (c,))))
+        cl.nc_expand(mean, unit, per_nc[0])
+    else:
+        cl.nc_grad_apply(g, x, _at(at[2], proto, (n, s * c)), c, parts,
+                         (per_nc[0], per_nc[1], per_nc[2], per_nc[3]), False, lo, hi)
 
 
 @njit(**JIT)

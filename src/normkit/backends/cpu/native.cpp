@@ -15,7 +15,7 @@
 //   backward: g, x, dx, w, mean, rstd, dw, db, <backward constants>
 // (addresses of contiguous memory; a statistics address 0: the kernel's own scratch;
 // from_var: the fixed statistics are a mean and a variance, rstd computed in the kernel),
-// and in the last four slots: the stage of a staged family (columns.py: stages 0, 1, 2),
+// and in the last four slots: the stage of a staged family (stages 0, 1, 2: columns.py),
 // the address of a threaded backward's partial sums or a staged family's scratch (0:
 // none), and the range [lo, hi) of work items the call covers.
 //
@@ -28,9 +28,10 @@
 // after the threads:
 //   rows:   dw, db partials (chunks, K), summed over the chunks with at::sum;
 //   planes: (2, N, C) per-plane sums, added over n in float64 in order (entries.param_sums).
-// The columns family (BatchNorm on channels_last and (N, C)) runs every call in stages
-// instead, each a kernel call of its own over its work items (run_stages): its per-chunk
-// sums, merged on one thread in its stage 1, are its own business.
+// The staged families (columns: BatchNorm on channels_last and (N, C); channels_last:
+// Instance/GroupNorm) run every call in stages instead, each a kernel call of its own over
+// its work items (run_stages): their partial sums, merged on one thread in stage 1, live
+// in the node's scratch.
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -49,9 +50,9 @@ constexpr int kMaxArgs = 24;
 constexpr int kStage = kMaxArgs - 4, kSums = kMaxArgs - 3, kLo = kMaxArgs - 2,
               kHi = kMaxArgs - 1;
 
-// how a threaded backward leaves its parameter gradients; kColumnChunks: the columns
-// family, whose every call runs in stages over chunks of rows (scratch in a[kSums])
-enum Partials : int64_t { kNone = 0, kRowChunks = 1, kPlaneSums = 2, kColumnChunks = 3 };
+// how a threaded backward leaves its parameter gradients; kStaged: a staged family
+// (columns, channels_last), whose every call runs in stages (scratch in a[kSums])
+enum Partials : int64_t { kNone = 0, kRowChunks = 1, kPlaneSums = 2, kStaged = 3 };
 
 // torch's OpenMP runtime (set_team; none after a fork: GNU OpenMP is not fork-safe)
 typedef void (*region_fn)(void*);
@@ -110,6 +111,7 @@ struct Plan : torch::CustomClassHolder {
   // backward leaves its parameter gradients (Partials; partial_rows: chunks, or N)
   int64_t forward_units = 1, backward_units = 1, threads = 1;
   int64_t partials = kNone, partial_rows = 0;
+  int64_t stage_units = 0;      // a staged plan's work items in stage 0
 
   at::ScalarType sdtype() const { return ones.scalar_type(); }
 
@@ -170,17 +172,17 @@ struct Plan : torch::CustomClassHolder {
 
   bool threaded_backward() const { return threads > 1 && backward_units > 1; }
 
-  bool staged() const { return partials == kColumnChunks; }
+  bool staged() const { return partials == kStaged; }
 
-  // a staged family's scratch: (2, chunks, params) float64
+  // a staged family's scratch: (2, partial_rows, params) float64
   Tensor stage_sums() const {
     return at::empty({2, partial_rows, ones.numel()}, ones.options().dtype(at::kDouble));
   }
 
-  // stages 0 (over the chunks), 1 (one call, on this thread) and 2 (over `units` rows)
+  // stages 0 (over stage_units), 1 (one call, on this thread) and 2 (over `units`)
   void run_stages(kernel_fn kernel, int64_t* a, double eps, int64_t units) const {
     a[kStage] = 0;
-    run(kernel, a, eps, partial_rows);
+    run(kernel, a, eps, stage_units);
     a[kStage] = 1, a[kLo] = 0, a[kHi] = 1;
     kernel(a, eps);
     a[kStage] = 2;
@@ -207,22 +209,33 @@ int64_t address(const Tensor& t) {
   return t.defined() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0;
 }
 
-// whether x's memory is rows of its dim-1 channels, dense: (N, *spatial, C) in that order
-// (channels_last; a contiguous (N, C) too), the memory the columns family reads
-bool rows_of_channels(const Tensor& x) {
-  if (x.dim() < 2 || (x.size(1) != 1 && x.stride(1) != 1)) return false;
-  int64_t expected = x.size(1);
-  for (int64_t d = x.dim() - 1; d >= 2; --d) {
-    if (x.size(d) != 1 && x.stride(d) != expected) return false;
-    expected *= x.size(d);
+// whether x's memory is N rows of S positions of C channels, dense, the channels adjacent
+// (channels_last, a contiguous (N, C), or a view that splits the channels into groups):
+// dims 1.. hold the C channels and then the S positions, dim 0 the N samples
+bool rows_of_channels(const Tensor& x, int64_t n, int64_t c, int64_t s) {
+  int64_t d = 1, dims = x.dim(), channels = 1;
+  while (d < dims && channels < c) channels *= x.size(d++);
+  if (dims < 2 || channels != c || x.size(0) != n) return false;
+  int64_t expected = 1;
+  for (int64_t i = d - 1; i >= 1; --i) {                  // the channels: stride 1 up
+    if (x.size(i) != 1 && x.stride(i) != expected) return false;
+    expected *= x.size(i);
   }
-  return x.size(0) == 1 || x.stride(0) == expected;
+  int64_t positions = 1;
+  for (int64_t i = dims - 1; i >= d; --i) {               // the positions: C apart
+    if (x.size(i) != 1 && x.stride(i) != expected) return false;
+    expected *= x.size(i), positions *= x.size(i);
+  }
+  return positions == s && (n == 1 || x.stride(0) == expected);
 }
 
 // the kernels trust the plan's sizes, dtype and memory layout (contiguous; rows of
-// channels for a staged plan, the columns family): a tensor of another is refused here
+// channels for a staged plan: columns, channels_last): a tensor of another is refused here
 void check_input(const Plan& p, const Tensor& x) {
-  bool layout = p.staged() ? rows_of_channels(x) : x.is_contiguous();
+  bool layout = p.staged() ? rows_of_channels(x, p.view.front(), p.numel / (p.view.front() *
+                                                                       p.view.back()),
+                                               p.view.back())
+                            : x.is_contiguous();
   TORCH_CHECK(layout && x.device().is_cpu() && x.scalar_type() == p.dtype &&
                   x.numel() == p.numel,
               "normkit native plan: built for a ",
@@ -528,12 +541,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::vector<int64_t> reduce,
                        c10::optional<std::vector<int64_t>> param_view, bool center,
                        std::vector<int64_t> work) {
-             TORCH_CHECK(kAddresses + forward_consts.size() <= kSums &&
-                             kAddresses + backward_consts.size() <= kSums,
+             TORCH_CHECK(kAddresses + forward_consts.size() <= kStage &&
+                             kAddresses + backward_consts.size() <= kStage,
                          "normkit native plan: too many kernel constants");
-             TORCH_CHECK(work.size() == 5, "normkit native plan: work is (forward units, "
-                         "backward units, threads, partials, partial rows), got ", work.size(),
-                         " numbers");
+             TORCH_CHECK(work.size() == 5 || work.size() == 6, "normkit native plan: work is "
+                         "(forward units, backward units, threads, partials, partial rows[, "
+                         "stage-0 units]), got ", work.size(), " numbers");
              auto p = c10::make_intrusive<Plan>();
              p->forward_kernel = reinterpret_cast<kernel_fn>(forward_kernel);
              p->backward_kernel = reinterpret_cast<kernel_fn>(backward_kernel);
@@ -545,6 +558,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              p->param_view = std::move(param_view), p->center = center;
              p->forward_units = work[0], p->backward_units = work[1], p->threads = work[2];
              p->partials = work[3], p->partial_rows = work[4];
+             p->stage_units = work.size() > 5 ? work[5] : work[4];
              p->dtype = like.scalar_type();
              p->numel = 1;
              for (int64_t v : p->view) p->numel *= v;

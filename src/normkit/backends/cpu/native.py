@@ -16,13 +16,14 @@ threaded plan's kernels run in ranges on torch's OpenMP team, opened from C++
 
 Where it runs (``node`` gives None otherwise, and the Python plan runs): a contiguous
 input in the ``rows`` and ``planes`` families (LayerNorm/RMSNorm; Batch/Instance/GroupNorm
-on NCHW), or a BatchNorm input of the ``columns`` family (channels_last, or (N, C)), whose
-plan neither streams its output (``tuning.stream_out``: from the last level cache's size,
-where the kernel's time dwarfs a call's) nor asks for huge pages (``NORMKIT_HUGE_PAGES=1``),
-serial or threaded on torch's OpenMP runtime (a threaded plan without one, on normkit's
-thread pool, stays in Python). A double backward (``create_graph=True``) goes from the C++
-node to ``torch.ops.normkit.norm_backward``, whose autograd differentiates the formula, as
-on the Python path.
+on NCHW), or a channels_last input (BatchNorm: ``columns``, also (N, C); Instance/GroupNorm
+with batch statistics: ``channels_last``), whose plan neither streams its output
+(``tuning.stream_out``: from the last level cache's size, where the kernel's time dwarfs a
+call's) nor asks for huge pages (``NORMKIT_HUGE_PAGES=1``), serial or threaded on torch's
+OpenMP runtime (a threaded plan without one, on normkit's thread pool, stays in Python). A
+double backward (``create_graph=True``) goes from the C++ node to
+``torch.ops.normkit.norm_backward``, whose autograd differentiates the formula, as on the
+Python path.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is
 needed on a machine (a C++ compiler and ninja, about 35 s; cached in torch's extension
@@ -177,6 +178,25 @@ def _columns(proto, sproto):
     return forward, backward
 
 
+def _channels_last(proto, sproto):
+    """constants (N, C, S, parts, block, run, sn, cg) forward, and (count, center, fixed)
+    more backward; a[STAGE], a[SUMS] as for ``_columns`` (``entries.cl_forward``)."""
+    @cfunc(SIGNATURE, cache=True)
+    def forward(a, eps):
+        entries.cl_forward((a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[SUMS]),
+                           (a[8], a[9], a[10], a[11]), (a[12], a[13]), (a[14], a[15]), proto,
+                           sproto, eps, a[STAGE], a[LO], a[HI])
+
+    @cfunc(SIGNATURE, cache=True)
+    def backward(a, eps):
+        entries.cl_backward((a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[SUMS]),
+                            (a[8], a[9], a[10], a[11]), (a[12], a[13]), (a[14], a[15]),
+                            float(a[16]), proto, sproto, a[17] != 0, a[18] != 0, a[STAGE],
+                            a[LO], a[HI])
+
+    return forward, backward
+
+
 _KERNELS = {}
 
 
@@ -190,7 +210,7 @@ def _kernels(family, proto, sproto):
     return found
 
 
-ROW_CHUNKS, PLANE_SUMS, COLUMN_CHUNKS = 1, 2, 3    # native.cpp: Partials
+ROW_CHUNKS, PLANE_SUMS, STAGED = 1, 2, 3    # native.cpp: Partials
 
 
 def _work(plan):
@@ -198,11 +218,15 @@ def _work(plan):
     Python ``run`` splits the work (``plans``): rows over M forward and over one chunk per
     thread backward, each chunk with its (K,) partial gradients; planes over their units
     both ways, a threaded backward leaving (2, N, C) sums; columns in stages, over their
-    chunks of rows and then over the rows, both ways (``columns``)."""
+    chunks of rows and then over the rows, both ways (``columns``); channels_last in
+    stages over (sample, range of positions) items."""
     if plan.cpp_family == "rows":
         return [plan.m, plan.threads, plan.threads, ROW_CHUNKS, plan.threads]
     if plan.cpp_family == "columns":
-        return [plan.mcr[0], plan.mcr[0], plan.threads, COLUMN_CHUNKS, plan.chunks]
+        return [plan.mcr[0], plan.mcr[0], plan.threads, STAGED, plan.chunks]
+    if plan.cpp_family == "channels_last":                 # (scratch: see entries.cl_*)
+        units = plan.n * plan.parts
+        return [units, units, plan.threads, STAGED, units + 2 * plan.n, units]
     return [plan.forward_units, plan.units, plan.threads, PLANE_SUMS, plan.n]
 
 
@@ -215,6 +239,10 @@ def _family(plan):
     if plan.cpp_family == "columns":
         consts = list(plan.mcr)
         return _columns, consts, consts + [int(plan.center), int(plan.fixed)], False
+    if plan.cpp_family == "channels_last":
+        consts = [plan.n, plan.c, plan.s, plan.parts, *plan.blocks, *plan.unit]
+        return (_channels_last, consts, consts + [plan.grouping.group_size, int(plan.center),
+                                                  int(plan.fixed)], False)
     if plan.cpp_family != "planes":
         return None
     ncs, center, fixed = list(plan.ncs), int(plan.center), int(plan.fixed)

@@ -394,6 +394,8 @@ class ChannelsLastPlan(_ChannelsPlan):
     (or, for per-sample groupings with enough samples, one sample per work item)."""
 
     def __init__(self, x, grouping, center, fixed):
+        # C++ callbacks (``native``, three stages) for batch statistics
+        self.cpp_family = None if fixed else "channels_last"
         super().__init__(x, grouping, center, fixed)
         self.blocks = tuning.cl_blocks(self.c, self.itemsize)
         self.parts = tuning.parts(self.n, self.s, self.threads)
@@ -409,6 +411,9 @@ class ChannelsLastPlan(_ChannelsPlan):
         return tensors, tuple(t.numpy().reshape(self.stat_count) for t in tensors)
 
     def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
+        if self.native is not None:
+            return _native_forward(self.native, x, weight, bias, eps, mean, rstd, keep_stats,
+                                   var)
         if self.fixed and rstd is None:
             rstd = rstd_from_var(var, eps)
         n, c, g = self.n, self.c, self.grouping
@@ -438,6 +443,8 @@ class ChannelsLastPlan(_ChannelsPlan):
         return y, mean, rstd, var
 
     def backward(self, grad, x, mean, rstd, weight, needs):
+        if self.native is not None:
+            return _asked(needs, *self.native.backward(grad, x, weight, mean, rstd))
         g, n, c, st = self.grouping, self.n, self.c, self.st
         x3 = _ncs(x, g)
         g3 = grad.reshape(n, c, self.s)
