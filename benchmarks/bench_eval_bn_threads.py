@@ -17,20 +17,13 @@ import time
 import torch
 
 import normkit
+from normkit.bench.models import per_call_us
 
 SHAPES = [(16, 64, 56, 56), (16, 128, 28, 28), (16, 256, 14, 14), (16, 512, 7, 7)]
 
 
-def _alone_us(fn, calls=50, rounds=7):
-    for _ in range(5):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
+def _alone_us(fn):
+    return per_call_us(fn, 50, 7, clock=time.perf_counter)
 
 
 def _between_us(bn, x, weight):

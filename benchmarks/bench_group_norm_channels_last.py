@@ -13,21 +13,14 @@ import time
 import torch
 
 import normkit.nn as nknn
+from normkit.bench.models import per_call_us
 
 SHAPES = [(1, 320, 64, 64), (2, 320, 64, 64), (2, 640, 32, 32), (8, 128, 32, 32),
           (8, 64, 8, 8)]
 
 
-def _us(fn, calls=20, rounds=7):
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
+def _us(fn):
+    return per_call_us(fn, 20, 7, clock=time.perf_counter)
 
 
 def main():

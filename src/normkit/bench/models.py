@@ -268,17 +268,18 @@ def _calls():
 CALLS = tuple(_calls())
 
 
-def per_call_us(fn, calls, repeats):
-    """Microseconds of CPU time of the calling thread per ``fn()``, best of ``repeats``
-    rounds of ``calls`` calls, after a warm-up."""
+def per_call_us(fn, calls, repeats, clock=time.thread_time):
+    """Microseconds per ``fn()``, best of ``repeats`` rounds of ``calls`` calls, after a
+    warm-up: CPU time of the calling thread, or wall time with ``clock=time.perf_counter``
+    (calls that use several threads; the scripts in ``benchmarks/``)."""
     for _ in range(calls // 10 + 10):
         fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.thread_time()
+        start = clock()
         for _ in range(calls):
             fn()
-        best = min(best, (time.thread_time() - start) / calls * 1e6)
+        best = min(best, (clock() - start) / calls * 1e6)
     return best
 
 
