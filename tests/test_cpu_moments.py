@@ -120,3 +120,29 @@ def test_fold_lanes():
     out = np.empty(4, np.float32)
     njit(lambda lanes, out: moments.fold_lanes(lanes, out, 4, 3))(lanes, out)
     np.testing.assert_array_equal(out, lanes.reshape(3, 4).sum(0))
+
+
+@njit
+def _cl_grad_sums(gn, xn, c_, s0, s1, block, run, mean, rstd, sg, sgx):
+    lanes = (np.empty(run * c_, xn.dtype), np.empty(run * c_, xn.dtype),
+             np.empty(run * c_, xn.dtype), np.empty(c_, xn.dtype))
+    for r in range(run):
+        lanes[2][r * c_:(r + 1) * c_] = mean
+    moments.cl_range_grad_sums(gn, xn, c_, s0, s1, block, run, lanes, rstd, sg, sgx)
+
+
+@pytest.mark.parametrize("block,run", [(1, 1), (4, 2), (16, 4), (1000, 8)])
+def test_channels_last_range_grad_sums(block, run):
+    # sums of g and g * xhat per channel over rows [s0, s1), two runs per pass and the
+    # runs and rows left at the end
+    rng = np.random.default_rng(4)
+    c_, s_ = 5, 53
+    x = (rng.standard_normal((s_, c_)) + 10.0).astype(np.float32)
+    g = rng.standard_normal((s_, c_)).astype(np.float32)
+    mean = x.mean(0).astype(np.float32)
+    rstd = (1.0 / x.std(0)).astype(np.float32)
+    sg, sgx = np.zeros(c_), np.zeros(c_)
+    _cl_grad_sums(g.reshape(-1), x.reshape(-1), c_, 3, 50, block, run, mean, rstd, sg, sgx)
+    rows, grows = x[3:50].astype(np.float64), g[3:50].astype(np.float64)
+    np.testing.assert_allclose(sg, grows.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sgx, (grows * (rows - mean) * rstd).sum(0), rtol=1e-4, atol=1e-4)

@@ -87,6 +87,46 @@ def fold_lanes(lanes, out, c_, run):
 
 
 @register_jitable
+def _lane_sums(xn, c_, s0, s1, run, sums):
+    """sums[j] += x of lane j over the rows [s0, s1) of xn: (S*C,), read as runs of
+    ``run`` rows. Two runs per iteration: each lane is loaded and stored once per two
+    runs (the loop is bound by the lanes' loads and stores, not by x)."""
+    width = run * c_
+    g0 = s0
+    while g0 + 2 * run <= s1:
+        xa, xb = xn[g0 * c_:g0 * c_ + width], xn[g0 * c_ + width:g0 * c_ + 2 * width]
+        for j in range(width):
+            sums[j] += load(xa, j) + load(xb, j)
+        g0 += 2 * run
+    for g in range(g0, s1, run):
+        xs = xn[g * c_:min(s1, g + run) * c_]                      # <= run*C
+        for j in range(xs.shape[0]):
+            sums[j] += load(xs, j)
+
+
+@register_jitable
+def _lane_shifted_sums(xn, c_, s0, s1, run, shift, sums, squares):
+    """sums[j] += d, squares[j] += d * d, d = x - shift[j], over the rows [s0, s1) of xn,
+    two runs per iteration as ``_lane_sums``."""
+    width = run * c_
+    g0 = s0
+    while g0 + 2 * run <= s1:
+        xa, xb = xn[g0 * c_:g0 * c_ + width], xn[g0 * c_ + width:g0 * c_ + 2 * width]
+        for j in range(width):
+            da = load(xa, j) - shift[j]
+            db = load(xb, j) - shift[j]
+            sums[j] += da + db
+            squares[j] += da * da + db * db
+        g0 += 2 * run
+    for g in range(g0, s1, run):
+        xs = xn[g * c_:min(s1, g + run) * c_]
+        for j in range(xs.shape[0]):
+            d = load(xs, j) - shift[j]
+            sums[j] += d
+            squares[j] += d * d
+
+
+@register_jitable
 def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch):
     """Per-channel mean and M2 (float64, written to mean, m2: (C,)) of the rows
     [s_begin, s_end) of one channels_last sample xn: (S*C,), over blocks of ``block``
@@ -103,10 +143,7 @@ def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch):
         nb = s1 - s0
         if count == 0.0:                                           # the block's own mean
             sums[:] = 0.0
-            for g0 in range(s0, s1, run):
-                xs = xn[g0 * c_:min(s1, g0 + run) * c_]            # <= run*C
-                for j in range(xs.shape[0]):
-                    sums[j] += load(xs, j)
+            _lane_sums(xn, c_, s0, s1, run, sums)
             fold_lanes(sums, csum, c_, run)
             inv = like(csum, 1.0 / nb)
             for c in range(c_):
@@ -118,12 +155,7 @@ def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch):
             shift[r * c_:(r + 1) * c_] = csum
         sums[:] = 0.0
         squares[:] = 0.0
-        for g0 in range(s0, s1, run):
-            xs = xn[g0 * c_:min(s1, g0 + run) * c_]
-            for j in range(xs.shape[0]):
-                d = load(xs, j) - shift[j]
-                sums[j] += d
-                squares[j] += d * d
+        _lane_shifted_sums(xn, c_, s0, s1, run, shift, sums, squares)
         fold_lanes(sums, csum, c_, run)
         fold_lanes(squares, csq, c_, run)
         for c in range(c_):
@@ -132,6 +164,31 @@ def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch):
                                            np.float64(shift[c]) + sd / nb,
                                            np.float64(csq[c]) - sd * sd / nb)
         count += nb
+
+
+@register_jitable
+def _lane_grad_sums(gn, xn, c_, s0, s1, run, lanes):
+    """lane_g[j] += g, lane_gx[j] += g * (x - lane_mean[j]) over the rows [s0, s1) of gn,
+    xn, two runs per iteration as ``_lane_sums``."""
+    lane_g, lane_gx, lane_mean, _ = lanes
+    width = run * c_
+    g0 = s0
+    while g0 + 2 * run <= s1:
+        i0, i1 = g0 * c_, g0 * c_ + width
+        xa, xb, ga, gb = xn[i0:i1], xn[i1:i1 + width], gn[i0:i1], gn[i1:i1 + width]
+        for j in range(width):
+            m = lane_mean[j]
+            gi, gk = load(ga, j), load(gb, j)
+            lane_g[j] += gi + gk
+            lane_gx[j] += gi * (load(xa, j) - m) + gk * (load(xb, j) - m)
+        g0 += 2 * run
+    for g in range(g0, s1, run):
+        i0, i1 = g * c_, min(s1, g + run) * c_
+        xs, gs = xn[i0:i1], gn[i0:i1]                              # <= run*C
+        for j in range(xs.shape[0]):
+            gi = load(gs, j)
+            lane_g[j] += gi
+            lane_gx[j] += gi * (load(xs, j) - lane_mean[j])
 
 
 @register_jitable
@@ -145,13 +202,7 @@ def cl_range_grad_sums(gn, xn, c_, s_begin, s_end, block, run, lanes, rstd, sg, 
     for s0 in range(s_begin, s_end, block):
         lane_g[:] = 0.0
         lane_gx[:] = 0.0
-        for g0 in range(s0, min(s_end, s0 + block), run):
-            i0, i1 = g0 * c_, min(s_end, g0 + run) * c_
-            xs, gs = xn[i0:i1], gn[i0:i1]                          # <= run*C
-            for j in range(xs.shape[0]):
-                gi = load(gs, j)
-                lane_g[j] += gi
-                lane_gx[j] += gi * (load(xs, j) - lane_mean[j])
+        _lane_grad_sums(gn, xn, c_, s0, min(s_end, s0 + block), run, lanes)
         fold_lanes(lane_g, folded, c_, run)
         for c in range(c_):
             sg[c] += folded[c]
