@@ -160,6 +160,29 @@ def test_both_sides_of_the_serial_threshold(op, monkeypatch):
     _near(got[1][0][0], got[3][0][0], torch.float32, "y")
 
 
+@pytest.mark.parametrize("op", ["group", "instance"])
+def test_channels_last_forward_per_sample_and_in_stages(op, monkeypatch):
+    # the node's channels_last forward takes a sample per work item in stage 0 alone when
+    # there are at least as many samples as threads, the three stages below that: both
+    # sides give the Python plans' results and the reference's
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(tuning, "SERIAL_BELOW", 1)
+    monkeypatch.setattr(tuning, "NATIVE_SERIAL_BELOW", 1)
+    fn, ref = cases.op(op, 6)
+    for n, per_sample in ((2, False), (3, True), (5, True)):
+        backends.clear_plans()
+        x, w, b, dy = cases.inputs((n, 6, 5, 7), torch.float32, 6, "channels_last",
+                                   offset=2.0)
+        grouping = G.group(x.shape, 3) if op == "group" else G.instance(x.shape)
+        plan = backends.plan(x, grouping)
+        assert plan.native is not None and plan.per_sample == per_sample
+        assert native._work(plan)[0] == (0 if per_sample else n * plan.parts)
+        node, python = _both_paths(fn, x, w, b, dy)
+        for p, q, name in zip(node, python, ("y", "dx", "dweight", "dbias")):
+            _near(p, q, torch.float32, name)
+        cases.check_against_reference(node, ref, x, w, b, dy, torch.float32)
+
+
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
 def test_missing_weight_or_bias(affine):
     x = torch.randn(5, 24, dtype=torch.float64, requires_grad=True)

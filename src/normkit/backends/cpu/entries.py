@@ -240,9 +240,16 @@ def _cl_scratch(address, dims, sproto):
 
 
 @njit(**JIT)
-def cl_forward(at, dims, blocks, unit, proto, sproto, eps, stage, lo, hi):
+def cl_forward(at, dims, blocks, unit, proto, sproto, eps, per_sample, stage, lo, hi):
     n, c, s, parts = dims
     x = _at(at[0], proto, (n, s * c))
+    if per_sample:          # stage 0 over the samples is the whole call
+        u = n * unit[0]
+        cl.cl_sample_forward(x, _at(at[1], proto, (n, s * c)), _at(at[2], sproto, (c,)),
+                             _at(at[3], sproto, (c,)), eps, c, unit[0], blocks,
+                             (_at(at[4], sproto, (u,)), _at(at[5], sproto, (u,)),
+                              _at(at[6], sproto, (u,))), False, lo, hi)
+        return
     partials, per_nc = _cl_scratch(at[7], dims, sproto)
     coefs = (per_nc[0], per_nc[1], per_nc[2])                       # mean, scale, shift
     if stage == 0:

@@ -31,7 +31,8 @@
 // The staged families (columns: BatchNorm on channels_last and (N, C); channels_last:
 // Instance/GroupNorm) run every call in stages instead, each a kernel call of its own over
 // its work items (run_stages): their partial sums, merged on one thread in stage 1, live
-// in the node's scratch.
+// in the node's scratch. (Instance/GroupNorm's forward with a sample per thread or more
+// is stage 0 alone: a sample's statistics, then the sample, per work item.)
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -111,7 +112,8 @@ struct Plan : torch::CustomClassHolder {
   // backward leaves its parameter gradients (Partials; partial_rows: chunks, or N)
   int64_t forward_units = 1, backward_units = 1, threads = 1;
   int64_t partials = kNone, partial_rows = 0;
-  int64_t stage_units = 0;      // a staged plan's work items in stage 0
+  int64_t stage_units = 0;      // a staged plan's work items in stage 0 (backward)
+  int64_t forward_stage_units = 0;   // (forward)
 
   at::ScalarType sdtype() const { return ones.scalar_type(); }
 
@@ -179,10 +181,13 @@ struct Plan : torch::CustomClassHolder {
     return at::empty({2, partial_rows, ones.numel()}, ones.options().dtype(at::kDouble));
   }
 
-  // stages 0 (over stage_units), 1 (one call, on this thread) and 2 (over `units`)
-  void run_stages(kernel_fn kernel, int64_t* a, double eps, int64_t units) const {
+  // stages 0 (over `first` items), 1 (one call, on this thread) and 2 (over `units`);
+  // units 0: stage 0 is the whole call (channels_last forward, a sample per item)
+  void run_stages(kernel_fn kernel, int64_t* a, double eps, int64_t first,
+                  int64_t units) const {
     a[kStage] = 0;
-    run(kernel, a, eps, stage_units);
+    run(kernel, a, eps, first);
+    if (units == 0) return;
     a[kStage] = 1, a[kLo] = 0, a[kHi] = 1;
     kernel(a, eps);
     a[kStage] = 2;
@@ -333,7 +338,7 @@ tensor_list run_forward(const Plan& p, const Tensor& x, const Tensor& w, const T
   } else {
     Tensor sums = p.stage_sums();
     a[kSums] = address(sums);
-    p.run_stages(p.forward_kernel, a, eps, p.forward_units);
+    p.run_stages(p.forward_kernel, a, eps, p.forward_stage_units, p.forward_units);
   }
   if (fixed_mean.defined() || !keep_stats || running.update(mean, var)) return {y};
   return {y, mean, rstd, var};
@@ -372,7 +377,7 @@ tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, con
          p.backward_consts);
   a[kSums] = address(sums);
   if (p.staged())
-    p.run_stages(p.backward_kernel, a, 0.0, p.backward_units);
+    p.run_stages(p.backward_kernel, a, 0.0, p.stage_units, p.backward_units);
   else
     p.run(p.backward_kernel, a, 0.0, p.backward_units);
   if (chunks) return {dx, dw.sum(0), db.sum(0)};
@@ -544,9 +549,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              TORCH_CHECK(kAddresses + forward_consts.size() <= kStage &&
                              kAddresses + backward_consts.size() <= kStage,
                          "normkit native plan: too many kernel constants");
-             TORCH_CHECK(work.size() == 5 || work.size() == 6, "normkit native plan: work is "
-                         "(forward units, backward units, threads, partials, partial rows[, "
-                         "stage-0 units]), got ", work.size(), " numbers");
+             TORCH_CHECK(work.size() >= 5 && work.size() <= 7, "normkit native plan: work "
+                         "is (forward units, backward units, threads, partials, partial "
+                         "rows[, stage-0 units[, forward stage-0 units]]), got ", work.size(),
+                         " numbers");
              auto p = c10::make_intrusive<Plan>();
              p->forward_kernel = reinterpret_cast<kernel_fn>(forward_kernel);
              p->backward_kernel = reinterpret_cast<kernel_fn>(backward_kernel);
@@ -559,6 +565,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              p->forward_units = work[0], p->backward_units = work[1], p->threads = work[2];
              p->partials = work[3], p->partial_rows = work[4];
              p->stage_units = work.size() > 5 ? work[5] : work[4];
+             p->forward_stage_units = work.size() > 6 ? work[6] : p->stage_units;
              p->dtype = like.scalar_type();
              p->numel = 1;
              for (int64_t v : p->view) p->numel *= v;

@@ -179,13 +179,14 @@ def _columns(proto, sproto):
 
 
 def _channels_last(proto, sproto):
-    """constants (N, C, S, parts, block, run, sn, cg) forward, and (count, center, fixed)
-    more backward; a[STAGE], a[SUMS] as for ``_columns`` (``entries.cl_forward``)."""
+    """constants (N, C, S, parts, block, run, sn, cg) and per_sample forward, (N, .., cg)
+    and (count, center, fixed) backward; a[STAGE], a[SUMS] as for ``_columns``
+    (``entries.cl_forward``)."""
     @cfunc(SIGNATURE, cache=True)
     def forward(a, eps):
         entries.cl_forward((a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[SUMS]),
                            (a[8], a[9], a[10], a[11]), (a[12], a[13]), (a[14], a[15]), proto,
-                           sproto, eps, a[STAGE], a[LO], a[HI])
+                           sproto, eps, a[16] != 0, a[STAGE], a[LO], a[HI])
 
     @cfunc(SIGNATURE, cache=True)
     def backward(a, eps):
@@ -214,18 +215,22 @@ ROW_CHUNKS, PLANE_SUMS, STAGED = 1, 2, 3    # native.cpp: Partials
 
 
 def _work(plan):
-    """(forward units, backward units, threads, partials, partial rows[, stage-0 units]) of
+    """(forward units, backward units, threads, partials, partial rows[, stage-0 units[,
+    forward stage-0 units]]) of
     a plan, as its Python ``run`` splits the work (``plans``): rows over M forward and over
     one chunk per thread backward, each chunk with its (K,) partial gradients; planes over
     their units both ways, a threaded backward leaving (2, N, C) sums; columns in stages,
     over their chunks of rows and then over the rows, both ways (``columns``);
-    channels_last in stages over (sample, range of positions) items."""
+    channels_last in stages over (sample, range of positions) items, its forward per
+    sample in stage 0 alone where ``plan.per_sample`` (no stage 2 units)."""
     if plan.cpp_family == "rows":
         return [plan.m, plan.threads, plan.threads, ROW_CHUNKS, plan.threads]
     if plan.cpp_family == "columns":
         return [plan.mcr[0], plan.mcr[0], plan.threads, STAGED, plan.chunks]
     if plan.cpp_family == "channels_last":                 # (scratch: see entries.cl_*)
         units = plan.n * plan.parts
+        if plan.per_sample:
+            return [0, units, plan.threads, STAGED, units + 2 * plan.n, units, plan.n]
         return [units, units, plan.threads, STAGED, units + 2 * plan.n, units]
     return [plan.forward_units, plan.units, plan.threads, PLANE_SUMS, plan.n]
 
@@ -241,8 +246,8 @@ def _family(plan):
         return _columns, consts, consts + [int(plan.center), int(plan.fixed)], False
     if plan.cpp_family == "channels_last":
         consts = [plan.n, plan.c, plan.s, plan.parts, *plan.blocks, *plan.unit]
-        return (_channels_last, consts, consts + [plan.grouping.group_size, int(plan.center),
-                                                  int(plan.fixed)], False)
+        return (_channels_last, consts + [int(plan.per_sample)],
+                consts + [plan.grouping.group_size, int(plan.center), int(plan.fixed)], False)
     if plan.cpp_family != "planes":
         return None
     ncs, center, fixed = list(plan.ncs), int(plan.center), int(plan.fixed)
