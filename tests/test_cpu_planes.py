@@ -63,9 +63,10 @@ def test_batch_norm_small_channel_blocks(training, dtype, monkeypatch):
             x, cases.np64(rm), cases.np64(rv), w, b, training), x, w, b, dy, dtype)
 
 
+@pytest.mark.parametrize("size", [28, 8], ids=["planes", "small_planes"])
 @pytest.mark.parametrize("offset", [1e3, 3e4])
-def test_group_and_batch_norm_of_data_far_from_zero(offset):
-    cases.check_far_from_zero("contiguous", offset)
+def test_group_and_batch_norm_of_data_far_from_zero(offset, size):
+    cases.check_far_from_zero("contiguous", offset, size)
 
 
 @pytest.mark.parametrize("case", ["outlier_first", "ramp"])

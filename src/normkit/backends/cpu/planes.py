@@ -34,7 +34,7 @@ from numba import njit
 from numba.extending import register_jitable
 
 from normkit.backends.cpu.half import accumulate, like, load, store
-from normkit.backends.cpu.moments import plane_merge
+from normkit.backends.cpu.moments import plane_merge, two_pass
 from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.stores import fence, store_affine_scalar, store_dx_rows_planes
 
@@ -311,34 +311,25 @@ def channels_small_backward(g, x, w, stats, center, fixed, dx, sums, lo, hi):
 @njit(**JIT)
 def planes_small(x, y, w, b, eps, groups, fixed, stats, lo, hi):
     """Instance/GroupNorm forward on small planes (``tuning.SMALL_PLANE``): the units
-    [lo, hi) (sample, group) of x: (N, C, S), each by a two-pass over its C/groups planes
-    in float64 (or the given statistics), then the formula of ``planes_forward`` in one
-    plain loop. stats per unit, (N * groups,)."""
+    [lo, hi) (sample, group) of x: (N, C, S), each by ``moments.two_pass`` over its C/groups
+    planes as one row (a unit is contiguous memory; LayerNorm's row moments), or the given
+    statistics, then the formula of ``planes_forward`` in one plain loop. stats per unit,
+    (N * groups,)."""
     mean, rstd, var = stats
     n_, c_, s_ = x.shape
     cg = c_ // groups
     count = cg * s_
+    rows = x.reshape(n_ * groups, count)                           # a unit per row
     for u in range(lo, hi):
         n, c0 = u // groups, (u % groups) * cg
         x0 = load(x[n, c0], 0)                                     # shift of the unit
         if fixed:
             mean_x0, rs = like(mean, mean[u] - x0), rstd[u]
         else:
-            total = 0.0
-            for c in range(c0, c0 + cg):
-                xr = x[n, c]
-                for i in range(s_):
-                    total = accumulate(total, np.float64(load(xr, i) - x0))
-            mean64 = total / count
-            m2 = 0.0
-            for c in range(c0, c0 + cg):
-                xr = x[n, c]
-                for i in range(s_):
-                    d = np.float64(load(xr, i) - x0) - mean64
-                    m2 = accumulate(m2, d * d)
-            v = m2 / count
-            mean_x0, rs = like(mean, mean64), like(mean, 1.0 / math.sqrt(v + eps))
-            mean[u], rstd[u], var[u] = x0 + mean64, rs, v
+            mean_x0, m2 = two_pass(rows[u], x0, like(mean, 1.0 / count), mean, True)
+            v = np.float64(m2) / count
+            rs = like(mean, 1.0 / math.sqrt(v + eps))
+            mean[u], rstd[u], var[u] = x0 + np.float64(mean_x0), rs, v
         for c in range(c0, c0 + cg):
             scale, shift = rs * w[c], b[c]
             xr, yr = x[n, c], y[n, c]
