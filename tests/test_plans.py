@@ -211,6 +211,34 @@ def test_bench_models_control_times_an_untouched_copy(capsys):
     assert "control" not in format_models([dict(rows[0], control=None)]).splitlines()[0]
 
 
+def test_bench_models_alternate_the_order_of_the_models(monkeypatch):
+    # each round times the models in turn, the reverse order every other round: none is
+    # always first or last (a fixed order read 1.03-1.10 for an untouched copy)
+    from normkit.bench import models
+
+    timed = []
+
+    def fake(fn, model, opt, x, steps):
+        timed.append(next((k for k, m in pair.items() if m is model), "control"))
+        return 1e-3
+
+    real_pair = models._pair
+
+    def spy(build):
+        found = real_pair(build)
+        pair.update(untouched=found[0], converted=found[1])
+        return found
+
+    pair = {}
+    monkeypatch.setattr(models, "_pair", spy)
+    monkeypatch.setattr(models, "_time_steps", fake)
+    models.measure_model("study-cnn-b2", "infer", repeats=3, control=True)
+    rounds = [timed[i:i + 3] for i in range(1, len(timed), 3)]    # after the sizing step
+    assert rounds == [["untouched", "converted", "control"],
+                      ["control", "converted", "untouched"],
+                      ["untouched", "converted", "control"]]
+
+
 def test_bench_models_channels_last_and_batch_norm_1d_rows(capsys):
     from normkit.cli import main
 

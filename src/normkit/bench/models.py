@@ -198,12 +198,18 @@ def _time_steps(fn, model, opt, x, steps):
     return (time.perf_counter() - start) / steps
 
 
+def _round_order(keys, r):
+    """The order of the models in round ``r``: ``keys``, reversed in odd rounds."""
+    return keys[::-1] if r % 2 else keys
+
+
 def measure_model(name, mode, repeats=5, min_seconds=0.3, device="cpu", control=False):
     """One row: best step time of each model and the ratio converted / untouched (on
     ``device``: a CUDA step is timed from synchronize to synchronize). ``control``: a
     third model, an untouched copy, timed the same way in the same rounds; its ratio to
     the untouched one (``control``) is the measurement's own spread, what a ratio of two
-    equal models reads on this machine."""
+    equal models reads on this machine. The models take turns in each round, in the
+    reverse order every other round, so that none is always timed first or last."""
     desc, build, make_input, _ = MODELS[name]
     plain, converted, count = _pair(build)
     plain, converted = plain.to(device), converted.to(device)
@@ -220,9 +226,9 @@ def measure_model(name, mode, repeats=5, min_seconds=0.3, device="cpu", control=
     once = _time_steps(fn, plain, opts["untouched"], x, 1)
     steps = max(1, min(200, round(min_seconds / max(once, 1e-6))))
     best = {key: float("inf") for key in pair}
-    for _ in range(repeats):
-        for key, model in pair.items():
-            best[key] = min(best[key], _time_steps(fn, model, opts[key], x, steps))
+    for r in range(repeats):
+        for key in _round_order(list(pair), r):
+            best[key] = min(best[key], _time_steps(fn, pair[key], opts[key], x, steps))
     return dict(model=name, description=desc, mode=mode, device=str(device),
                 norms_converted=count,
                 steps_per_repeat=steps, untouched_ms=best["untouched"] * 1e3,
