@@ -216,13 +216,13 @@ ROW_CHUNKS, PLANE_SUMS, STAGED = 1, 2, 3    # native.cpp: Partials
 
 def _work(plan):
     """(forward units, backward units, threads, partials, partial rows[, stage-0 units[,
-    forward stage-0 units]]) of
-    a plan, as its Python ``run`` splits the work (``plans``): rows over M forward and over
-    one chunk per thread backward, each chunk with its (K,) partial gradients; planes over
-    their units both ways, a threaded backward leaving (2, N, C) sums; columns in stages,
-    over their chunks of rows and then over the rows, both ways (``columns``);
-    channels_last in stages over (sample, range of positions) items, its forward per
-    sample in stage 0 alone where ``plan.per_sample`` (no stage 2 units)."""
+    forward stage-0 units]]) of a plan, as its Python ``run`` splits the work (``plans``):
+    rows over M forward and over one chunk per thread backward, each chunk with its (K,)
+    partial gradients; planes over their units both ways, a threaded backward leaving
+    (2, N, C) sums; columns in stages, over their chunks of rows and then over the rows,
+    both ways (``columns``); channels_last in stages over (sample, range of positions)
+    items, its forward per sample in stage 0 alone where ``plan.per_sample`` (no stage 2
+    units)."""
     if plan.cpp_family == "rows":
         return [plan.m, plan.threads, plan.threads, ROW_CHUNKS, plan.threads]
     if plan.cpp_family == "columns":
