@@ -86,8 +86,7 @@ def test_plane_merge_over_planes(dtype, offset):
 
 @njit
 def _cl_moments(xn, c_, s0, s1, block, run, mean, m2):
-    scratch = (np.empty(run * c_, xn.dtype), np.empty(run * c_, xn.dtype),
-               np.empty(run * c_, xn.dtype), np.empty(c_, xn.dtype), np.empty(c_, xn.dtype))
+    scratch = moments.lane_scratch(c_, run, xn)
     moments.cl_range_moments(xn, c_, s0, s1, block, run, mean, m2, scratch)
 
 
@@ -124,8 +123,7 @@ def test_fold_lanes():
 
 @njit
 def _cl_grad_sums(gn, xn, c_, s0, s1, block, run, mean, rstd, sg, sgx):
-    lanes = (np.empty(run * c_, xn.dtype), np.empty(run * c_, xn.dtype),
-             np.empty(run * c_, xn.dtype), np.empty(c_, xn.dtype))
+    lanes = moments.grad_lanes(c_, run, xn)
     for r in range(run):
         lanes[2][r * c_:(r + 1) * c_] = mean
     moments.cl_range_grad_sums(gn, xn, c_, s0, s1, block, run, lanes, rstd, sg, sgx)

@@ -33,22 +33,14 @@ import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from normkit.backends.cpu.moments import (cl_range_grad_sums, cl_range_moments,
-                                          merge_channels)
+from normkit.backends.cpu.moments import (cl_range_grad_sums, cl_range_moments, grad_lanes,
+                                          lane_scratch, merge_channels)
 from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.stores import fence, store_affine_per_channel, store_dx_per_channel
 from normkit.stats_numba import chan_merge
 
 __all__ = ["cl_sample_forward", "nc_apply", "nc_coefs_fixed", "nc_expand", "nc_grad_apply",
            "nc_grad_coefs", "nc_grad_sums", "nc_moments", "nc_stats"]
-
-
-@register_jitable
-def _lane_scratch(c_, run, sdt):
-    """Scratch of ``cl_range_moments``: three (run*C,) and two (C,) arrays like sdt."""
-    return (np.empty(run * c_, dtype=sdt.dtype), np.empty(run * c_, dtype=sdt.dtype),
-            np.empty(run * c_, dtype=sdt.dtype), np.empty(c_, dtype=sdt.dtype),
-            np.empty(c_, dtype=sdt.dtype))
 
 
 @register_jitable
@@ -66,7 +58,7 @@ def nc_moments(x, c_, parts, blocks, sdt, partials, lo, hi):
     block, run = blocks
     pmean, pm2 = partials
     s_ = x.shape[1] // c_
-    scratch = _lane_scratch(c_, run, sdt)
+    scratch = lane_scratch(c_, run, sdt)
     for t in range(lo, hi):
         n, s0, s1 = _range(t, parts, s_)
         p = t % parts
@@ -84,7 +76,7 @@ def cl_sample_forward(x, y, w, b, eps, c_, groups, blocks, stats, stream, lo, hi
     cg = c_ // groups
     cmean = np.empty(c_)                                           # float64
     cm2 = np.empty(c_)
-    scratch = _lane_scratch(c_, run, mean)
+    scratch = lane_scratch(c_, run, mean)
     mu = np.empty(c_, dtype=mean.dtype)
     scale = np.empty(c_, dtype=mean.dtype)
     for n in range(lo, hi):
@@ -127,8 +119,7 @@ def nc_grad_sums(g, x, c_, parts, blocks, stats_nc, partials, lo, hi):
     mu, rs = stats_nc
     psg, psgx = partials
     s_ = x.shape[1] // c_
-    lanes = (np.empty(run * c_, dtype=mu.dtype), np.empty(run * c_, dtype=mu.dtype),
-             np.empty(run * c_, dtype=mu.dtype), np.empty(c_, dtype=mu.dtype))
+    lanes = grad_lanes(c_, run, mu)
     for t in range(lo, hi):
         n, s_begin, s_end = _range(t, parts, s_)
         p = t % parts

@@ -39,7 +39,8 @@ import math
 import numpy as np
 from numba import njit
 
-from normkit.backends.cpu.moments import cl_range_grad_sums, cl_range_moments
+from normkit.backends.cpu.moments import (cl_range_grad_sums, cl_range_moments, grad_lanes,
+                                          lane_scratch)
 from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.stores import fence, store_affine_per_channel, store_dx_per_channel
 from normkit.stats_numba import chan_merge
@@ -61,9 +62,7 @@ def chunk_moments(x, c_, chunk, sdt, sums, lo, hi):
     rows, run = chunk
     means, m2s = sums
     m = x.shape[0] // c_
-    scratch = (np.empty(run * c_, sdt.dtype), np.empty(run * c_, sdt.dtype),
-               np.empty(run * c_, sdt.dtype), np.empty(c_, sdt.dtype),
-               np.empty(c_, sdt.dtype))
+    scratch = lane_scratch(c_, run, sdt)
     for u in range(lo, hi):
         r0, r1 = _rows_of(u, rows, m)
         cl_range_moments(x, c_, r0, r1, rows, run, means[u], m2s[u], scratch)
@@ -113,8 +112,7 @@ def chunk_grad_sums(g, x, stats, chunk, sums, lo, hi):
     sg, sgx = sums
     c_ = mean.shape[0]
     m = x.shape[0] // c_
-    lanes = (np.empty(run * c_, mean.dtype), np.empty(run * c_, mean.dtype),
-             np.empty(run * c_, mean.dtype), np.empty(c_, mean.dtype))
+    lanes = grad_lanes(c_, run, mean)
     for r in range(run):
         lanes[2][r * c_:(r + 1) * c_] = mean
     for u in range(lo, hi):

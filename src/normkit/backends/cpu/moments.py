@@ -24,7 +24,8 @@ from numba.extending import register_jitable
 from normkit.backends.cpu.half import accumulate, like, load
 from normkit.stats_numba import chan_merge
 
-__all__ = ["cl_range_moments", "fold_lanes", "merge_channels", "plane_merge", "two_pass"]
+__all__ = ["cl_range_grad_sums", "cl_range_moments", "fold_lanes", "grad_lanes",
+           "lane_scratch", "merge_channels", "plane_merge", "two_pass"]
 
 
 # ---- rows and NCHW planes ------------------------------------------------------------
@@ -84,6 +85,22 @@ def fold_lanes(lanes, out, c_, run):
         lr = lanes[r * c_:(r + 1) * c_]
         for c in range(c_):
             out[c] += lr[c]
+
+
+@register_jitable
+def lane_scratch(c_, run, sdt):
+    """The scratch of ``cl_range_moments``: three (run*C,) and two (C,) arrays of the
+    dtype of the array sdt."""
+    return (np.empty(run * c_, sdt.dtype), np.empty(run * c_, sdt.dtype),
+            np.empty(run * c_, sdt.dtype), np.empty(c_, sdt.dtype), np.empty(c_, sdt.dtype))
+
+
+@register_jitable
+def grad_lanes(c_, run, sdt):
+    """The lanes of ``cl_range_grad_sums``: three (run*C,) and one (C,) array of the dtype
+    of the array sdt (the third to be filled with the mean, repeated over a run)."""
+    return (np.empty(run * c_, sdt.dtype), np.empty(run * c_, sdt.dtype),
+            np.empty(run * c_, sdt.dtype), np.empty(c_, sdt.dtype))
 
 
 @register_jitable
