@@ -2,6 +2,8 @@
 the source articles' worked LayerNorm example (its input is ``WORKED_INPUT`` of
 ``normkit.cli.explain.drawing``; here is the output the article prints, to 4 decimals)."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -62,3 +64,25 @@ def _fresh_plans():
     backends.clear_plans()
     yield
     backends.clear_plans()
+
+
+def pytest_sessionstart(session):
+    """The suite tests normkit's kernels, so it fails at once where they are missing
+    (numba, the ``fast`` extra; the C++ node, which needs a C++ compiler), instead of
+    passing while testing almost none of them. ``NORMKIT_NATIVE=0`` runs it with the node
+    switched off on purpose (the composite torch path)."""
+    missing = []
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        missing.append("numba (pip install -e '.[fast]')")
+    switched_off = os.environ.get("NORMKIT_NATIVE", "1").strip().lower() in (
+        "0", "false", "no", "off")
+    if torch is not None and not missing and not switched_off:
+        from normkit.backends.cpu import native
+
+        if native.extension() is None:
+            missing.append("normkit's C++ node (a C++ compiler and ninja; see the warning "
+                           "above, or run python -m normkit.backends.cpu)")
+    if missing:
+        pytest.exit("the kernels under test are missing: " + "; ".join(missing), returncode=3)

@@ -105,7 +105,18 @@ def test_stream_out_rule(monkeypatch):
     assert not tuning.stream_out(torch.zeros(1 << 20, dtype=torch.bfloat16))
     monkeypatch.setattr(tuning._memory, "resident", lambda t: False)   # freshly mapped
     assert not tuning.stream_out(torch.zeros(1 << 18))
-    assert tuning.last_level_cache_bytes() > 0
+
+
+def test_last_level_cache_bytes(tmp_path):
+    # the largest of the caches sysfs lists, in bytes; the default where it lists none
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "105M")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "uevent").write_text("")
+    assert tuning.last_level_cache_bytes(base=str(tmp_path)) == 105 << 20
+    assert tuning.last_level_cache_bytes(7, base=str(tmp_path / "none")) == 7
+    (tmp_path / "index3" / "size").write_text("lots\n")
+    assert tuning.last_level_cache_bytes(7, base=str(tmp_path)) == 7
 
 
 @pytest.mark.parametrize("k", [1, 96, 768, 2048, 4096, 56 * 56, 1 << 20])

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-__all__ = ["Grouping", "batch", "instance", "group", "layer", "dims"]
+__all__ = ["Grouping", "batch", "instance", "group", "layer", "dims", "view_strides"]
 
 
 class Grouping(NamedTuple):
@@ -105,3 +105,33 @@ def dims(shape, reduce_dims) -> Grouping:
     ndim = len(shape)
     red = sorted({d % ndim for d in reduce_dims}) if ndim else []
     return Grouping("dims", tuple(shape), tuple(red), None)
+
+
+def view_strides(sizes, strides, shape):
+    """The strides of ``shape`` viewing memory of ``sizes`` and ``strides`` without a copy,
+    or None where no view can (``Tensor.view`` would raise): torch's own rule, runs of
+    dims that are one block of memory split or merged, written out so that a caller
+    asks instead of catching the error."""
+    if math.prod(sizes) == 0 or not sizes:
+        out, step = [], 1
+        for s in reversed(shape):
+            out.append(step)
+            step *= max(s, 1)
+        return tuple(reversed(out))
+    new = [0] * len(shape)
+    view_d = len(shape) - 1
+    base = strides[-1]               # the stride of the run of memory being matched
+    tensor_numel = view_numel = 1
+    for d in range(len(sizes) - 1, -1, -1):
+        tensor_numel *= sizes[d]
+        if d == 0 or (sizes[d - 1] != 1 and strides[d - 1] != tensor_numel * base):
+            while view_d >= 0 and (view_numel < tensor_numel or shape[view_d] == 1):
+                new[view_d] = view_numel * base
+                view_numel *= shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if d > 0:
+                base = strides[d - 1]
+                tensor_numel = view_numel = 1
+    return tuple(new) if view_d == -1 else None

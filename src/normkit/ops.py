@@ -366,12 +366,10 @@ def _rows_of_channels_view(x, grouping):
     """The grouping's view of a Batch/Instance/GroupNorm input whose channels are adjacent
     in memory (stride 1: channels_last, whose rows of channels the ``columns`` and
     ``channels_last`` families' nodes read), else None."""
-    if grouping.kind not in ("batch", "instance", "group") or x.dim() < 3 or x.stride(1) != 1:
+    if (grouping.kind not in ("batch", "instance", "group") or x.dim() < 3 or x.stride(1) != 1
+            or G.view_strides(x.shape, x.stride(), grouping.view) is None):
         return None
-    try:
-        return x.view(grouping.view)
-    except RuntimeError:
-        return None
+    return x.view(grouping.view)
 
 
 def norm_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs):

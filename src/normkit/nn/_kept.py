@@ -10,10 +10,9 @@ with its own parameters and buffers.
 The full path (``normkit.functional``) runs instead for anything else: traced calls, a
 tensor subclass or a dispatch mode, a non-contiguous input (but channels_last for
 BatchNorm and GroupNorm), a subclass of the layer (parametrized layers are one), an input whose plan
-has no node (CUDA, strides no kernel family reads, streaming sizes), one the layer's
-checks refuse (it raises there, with its message), and a tensor the node refuses
-(another dtype, size or device after ``.half()``, ``.to()`` or ``param.data = ...``; the
-node checks every tensor it is given). ``normkit.backends.clear_plans`` and
+has no node (CUDA, strides no kernel family reads), one the layer's checks refuse (it raises
+there, with its message), and parameters or buffers of another size or device than the
+node's (after ``.to()`` or ``param.data = ...``: ``_fit``, checked per call). ``normkit.backends.clear_plans`` and
 ``native.switch`` start a new plan epoch, which drops the kept nodes; copies and pickles
 leave them behind (``__getstate__``).
 """
@@ -94,17 +93,27 @@ class KeptNode:
         params = self._own_params()
         if params is None:
             return None
-        return self._call_node(x, self._kept(x, "_node", self._build), self.eps, *params)
+        return self._call_node(x, self._kept(x, "_node", self._build), self.eps, *params,
+                               self._param_count)
 
-    def _call_node(self, x, found, eps, w, b):
+    @staticmethod
+    def _fit(n, *tensors) -> bool:
+        """Whether each tensor (or None) has ``n`` elements on the CPU: what a node takes
+        besides its input, whose shape, strides, dtype and device the kept key fixes
+        (after ``param.data = ...`` or ``.to()`` they may not; the full path then runs and
+        reports)."""
+        for t in tensors:
+            if t is not None and (t.numel() != n or t.device.type != "cpu"):
+                return False
+        return True
+
+    def _call_node(self, x, found, eps, w, b, n):
         """``y`` of the kept node ``found`` (batch statistics, none kept: the per-sample
-        layers), or None where there is none or it refuses a tensor."""
-        if found is None or found[0] is None:
+        layers), or None where there is none or ``w``, ``b`` do not have its ``n``
+        elements (``_fit``)."""
+        if found is None or found[0] is None or not self._fit(n, w, b):
             return None
         node = found[0]
-        try:
-            if self._needs_graph(x, w, b):
-                return node.apply(x, w, b, eps, None, None, None, False)[0]
-            return node.forward(x, w, b, eps, None, None, False, False)[0]
-        except RuntimeError:                     # refused before its kernel ran
-            return None
+        if self._needs_graph(x, w, b):
+            return node.apply(x, w, b, eps, None, None, None, False)[0]
+        return node.forward(x, w, b, eps, None, None, False, False)[0]

@@ -31,10 +31,9 @@ class _BatchNorm(KeptNode, NormBase):
             return None
         grouping = G.batch(x.shape)
         n = grouping.group_size
-        try:                       # (channels_last strides that do not view as (N, C, S))
-            node = backends.plan(x, grouping, True, fixed).native if n > 1 else None
-        except RuntimeError:
-            return None
+        # (no node for channels_last strides that do not view as (N, C, S))
+        viewable = G.view_strides(x.shape, x.stride(), grouping.view) is not None
+        node = backends.plan(x, grouping, True, fixed).native if n > 1 and viewable else None
         return node, n / (n - 1) if n > 1 else 0.0
 
     def _own_tensors(self):
@@ -57,15 +56,14 @@ class _BatchNorm(KeptNode, NormBase):
         if kept is None or kept[0] is None or own is None or not self.eps > 0:
             return None
         (node, unbias), (w, b, running_mean, running_var) = kept, own
-        try:
-            if self._needs_graph(x, w, b):
-                out = node.apply(x, w, b, self.eps, None, None, None, True, running_mean,
-                                 running_var, factor, unbias)
-            else:
-                out = node.forward(x, w, b, self.eps, None, None, False, True, running_mean,
-                                   running_var, factor, unbias)
-        except RuntimeError:                     # refused before its kernel ran
+        if not self._fit(self.num_features, w, b, running_mean, running_var):
             return None
+        if self._needs_graph(x, w, b):
+            out = node.apply(x, w, b, self.eps, None, None, None, True, running_mean,
+                             running_var, factor, unbias)
+        else:
+            out = node.forward(x, w, b, self.eps, None, None, False, True, running_mean,
+                               running_var, factor, unbias)
         if len(out) == 4:                        # buffers of another dtype: updated here
             F.update_running(running_mean, running_var, out[1], out[3], factor, unbias)
         return out[0]
@@ -80,11 +78,9 @@ class _BatchNorm(KeptNode, NormBase):
         if kept is None or kept[0] is None or own is None or self.eps < 0:
             return None
         w, b, running_mean, running_var = own
-        try:
-            return kept[0].forward(x, w, b, self.eps, running_mean, running_var, True,
-                                   False)[0]
-        except RuntimeError:
+        if not self._fit(self.num_features, w, b, running_mean, running_var):
             return None
+        return kept[0].forward(x, w, b, self.eps, running_mean, running_var, True, False)[0]
 
     def _exponential_average_factor(self) -> float:
         """The momentum of this step; with ``momentum=None`` the running statistics are the

@@ -3,6 +3,7 @@ and eval agree)."""
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 from normkit import backends
 from normkit import functional as F
+from normkit.grouping import view_strides
 from normkit.nn._base import check_eps, init_affine, reset_affine
 from normkit.nn._kept import KeptNode
 from normkit.rms_casting import check_casting
@@ -66,6 +68,10 @@ class LayerNorm(KeptNode, nn.Module):
 
     def reset_parameters(self) -> None:
         reset_affine(self)
+
+    @property
+    def _param_count(self) -> int:
+        return math.prod(self.normalized_shape)
 
     def _build(self, x):
         """(node, None) of the plan for ``x`` (``KeptNode``), None for an input the full path
@@ -136,6 +142,10 @@ class GroupNorm(KeptNode, nn.Module):
     def reset_parameters(self) -> None:
         reset_affine(self)
 
+    @property
+    def _param_count(self) -> int:
+        return self.num_channels
+
     def _build(self, x):
         """(node, None) of the plan for ``x`` (``KeptNode``), None for an input the full path
         must check (fewer than 2 dims, channels not num_channels)."""
@@ -143,11 +153,10 @@ class GroupNorm(KeptNode, nn.Module):
         if (params is None or x.dim() < 2 or x.shape[1] != self.num_channels
                 or any(p is not None and p.numel() != self.num_channels for p in params)):
             return None
-        try:                       # (channels_last strides that do not view as the groups)
-            plan = backends.plan(x, F._group(x.shape, self.num_groups), True, False)
-        except RuntimeError:
-            return None
-        return plan.native, None
+        grouping = F._group(x.shape, self.num_groups)
+        if view_strides(x.shape, x.stride(), grouping.view) is None:
+            return None, None          # (channels_last strides that do not view as the groups)
+        return backends.plan(x, grouping, True, False).native, None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         y = self._affine_node_call(input)
@@ -210,6 +219,10 @@ class RMSNorm(KeptNode, nn.Module):
         if self.weight is not None:
             nn.init.constant_(self.weight, 1.0 - self.offset)   # offset + weight = 1
 
+    @property
+    def _param_count(self) -> int:
+        return math.prod(self.normalized_shape)
+
     def _build(self, x):
         """(node, eps) of the plan for ``x`` (``KeptNode``; eps None: the dtype's), None
         for an input the full path must check, or that it handles (an offset, a model's
@@ -227,7 +240,8 @@ class RMSNorm(KeptNode, nn.Module):
             found = self._kept(input, "_node", self._build)
             if found is not None:
                 eps = found[1] if self.eps is None else self.eps
-                y = self._call_node(input, found, eps, self._parameters["weight"], None)
+                y = self._call_node(input, found, eps, self._parameters["weight"], None,
+                                    self._param_count)
                 if y is not None:
                     return y
         return F.rms_norm(input, self.normalized_shape, self.weight, self.eps,

@@ -40,6 +40,7 @@ import torch
 
 import normkit.backends as dispatch
 from normkit.backends import fused_kernels_cover
+from normkit.grouping import view_strides
 from normkit.backends.cpu import _cache
 
 _cache.check_package_cache()    # before any kernel is loaded from the cache
@@ -74,11 +75,9 @@ def supports(x, grouping, center=True, fixed=False) -> bool:
     if (x.device.type != "cpu" or x.dtype not in _DTYPES
             or not fused_kernels_cover(x, grouping, center, fixed)):
         return False
-    try:
-        xv = x.view(grouping.view)
-    except RuntimeError:
+    if view_strides(x.shape, x.stride(), grouping.view) is None:
         return False
-    return layout(xv, grouping) is not None
+    return layout(x.view(grouping.view), grouping) is not None
 
 
 def plan(x, grouping, center=True, fixed=False):

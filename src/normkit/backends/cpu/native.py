@@ -35,7 +35,9 @@ path. ``NORMKIT_NATIVE=0`` in the environment switches the path off.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -329,23 +331,51 @@ def _load():
     try:
         from torch.utils import cpp_extension
 
-        try:    # the ninja of the `ninja` package (the `fast` extra), if PATH has none
-            import ninja
-            path = os.environ.get("PATH", "")
-            if ninja.BIN_DIR not in path.split(os.pathsep):
-                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
-        except ImportError:
-            pass
-        ext = cpp_extension.load(name="normkit_native", sources=[str(source)],
-                                 extra_cflags=["-O2"])
+        _say_if_building(cpp_extension, source)
+        with _ninja_on_path():
+            ext = cpp_extension.load(name="normkit_native", sources=[str(source)],
+                                     extra_cflags=["-O2"])
         team = _parallel.team_addresses()
         if team is not None:
             ext.set_team(*team)
         return ext
-    except Exception as error:   # no compiler, no ninja, no headers: the Python path
+    except Exception as error:   # no compiler, no ninja, no headers: the composite path
         warnings.warn(
             f"normkit could not build its C++ node ({type(error).__name__}: "
-            f"...{str(error)[-600:]}); small normalizations take the slower Python path. It "
-            f"needs a C++ compiler and ninja (`pip install ninja`); set NORMKIT_NATIVE=0 to "
-            f"skip the attempt", RuntimeWarning, stacklevel=2)
+            f"...{str(error)[-600:]}); normalizations take the slower composite torch path. "
+            f"It needs a C++ compiler and ninja (`pip install ninja`); set NORMKIT_NATIVE=0 "
+            f"to skip the attempt", RuntimeWarning, stacklevel=2)
         return False
+
+
+def _say_if_building(cpp_extension, source) -> None:
+    """One line on standard error before a build (none built for this source yet): what,
+    how long, and how to do it ahead of time."""
+    folder = Path(cpp_extension._get_build_directory("normkit_native", False))
+    newer = source.stat().st_mtime
+    ninja = folder / "build.ninja"
+    if (ninja.exists() and str(source) in ninja.read_text()
+            and any(p.stat().st_mtime >= newer for p in folder.glob("normkit_native*.so"))):
+        return
+    print("normkit: compiling its C++ node once for this machine (about 30-60 s); "
+          "`python -m normkit.backends.cpu` does it ahead of time", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """The ninja of the ``ninja`` package (the ``fast`` extra) on PATH for the build alone,
+    where PATH has none (torch's build looks it up there); PATH restored after."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR in path.split(os.pathsep):
+        yield
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path

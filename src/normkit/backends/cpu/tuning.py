@@ -42,10 +42,10 @@ def parts(n, s, threads):
 
 # ---- streaming stores -----------------------------------------------------------------
 
-def last_level_cache_bytes(default=32 << 20):
-    """The largest CPU cache's size (Linux sysfs), else ``default``."""
+def last_level_cache_bytes(default=32 << 20, base="/sys/devices/system/cpu/cpu0/cache"):
+    """The largest CPU cache's size (Linux sysfs: ``index*/size`` under ``base``), else
+    ``default``."""
     sizes = []
-    base = "/sys/devices/system/cpu/cpu0/cache"
     try:
         for entry in os.listdir(base):
             if entry.startswith("index"):
