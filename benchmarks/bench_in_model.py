@@ -31,7 +31,7 @@ def main():
     tbn, nbn = torch.nn.BatchNorm2d(16).eval(), nknn.BatchNorm2d(16).eval()
     rm, rv, w, b = nbn.running_mean, nbn.running_var, nbn.weight, nbn.bias
     g = G.batch(x.shape)
-    node = backends.plan(x, g, True, True).native
+    node = backends.plan(x, g, True, True)
     variants = {
         "torch.nn.BatchNorm2d": tbn,
         "torch F.batch_norm": lambda y: torch.nn.functional.batch_norm(y, rm, rv, w, b, False,
@@ -43,7 +43,7 @@ def main():
         "ops.norm_forward": lambda y: ops.norm_forward(y, g, w, b, 1e-5, True, rm, None, False,
                                                        rv)[0],
         "C++ node forward": None if node is None else
-        (lambda y: node.forward(y, w, b, 1e-5, rm, rv, True, False)[0]),
+        (lambda y: node.forward(y, w, b, 1e-5, rm, None, False, rv)[0]),
         "empty_like + copy_": lambda y: torch.empty_like(y).copy_(y),
     }
     y0 = conv(x)

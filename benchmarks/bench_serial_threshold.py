@@ -1,4 +1,4 @@
-"""Where a threaded call starts to pay: ``tuning.NATIVE_SERIAL_BELOW``, measured.
+"""Where a threaded call starts to pay: ``tuning.SERIAL_BELOW``, measured.
 
 ``python benchmarks/bench_serial_threshold.py [--threads 2] [--repeats 7]`` (about two
 minutes). For inputs of 2^14 .. 2^20 float32 elements, each call on one thread (the
@@ -64,7 +64,7 @@ def measure(sizes, repeats):
         calls = _calls(elements)
         for _ in range(repeats):
             for below, side in ((elements + 1, 0), (0, 1)):
-                tuning.SERIAL_BELOW = tuning.NATIVE_SERIAL_BELOW = below
+                tuning.SERIAL_BELOW = below
                 backends.clear_plans()
                 with torch.no_grad():
                     for name in ("BN eval fwd", "BN train fwd", "GN fwd", "LN fwd"):
@@ -85,12 +85,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    saved = tuning.SERIAL_BELOW, tuning.NATIVE_SERIAL_BELOW
+    saved = tuning.SERIAL_BELOW
     sizes = [1 << p for p in range(14, 21)]
     try:
         best = measure(sizes, args.repeats)
     finally:
-        tuning.SERIAL_BELOW, tuning.NATIVE_SERIAL_BELOW = saved
+        tuning.SERIAL_BELOW = saved
         backends.clear_plans()
     names = list(_calls(1 << 14))
     print(f"us per call, fp32, {args.threads} threads, best of {args.repeats}: "

@@ -27,7 +27,6 @@ def threaded(monkeypatch):
     from normkit.backends.cpu import tuning
 
     monkeypatch.setattr(tuning, "SERIAL_BELOW", 0)
-    monkeypatch.setattr(tuning, "NATIVE_SERIAL_BELOW", 0)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
 
 

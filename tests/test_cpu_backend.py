@@ -11,7 +11,7 @@ import normkit.functional as NF  # noqa: E402
 from normkit import backends  # noqa: E402
 from normkit import grouping as G  # noqa: E402
 from normkit.backends import cpu, torch_ops  # noqa: E402
-from normkit.backends.cpu import entries, native  # noqa: E402
+from normkit.backends.cpu import native  # noqa: E402
 
 
 def test_dispatch_picks_the_numba_backend_on_cpu():
@@ -29,7 +29,7 @@ def test_dispatch_picks_the_numba_backend_on_cpu():
 def test_layout_names_the_kernel_family():
     x = torch.randn(4, 8, 5, 5)
     assert cpu.layout(x.view(-1, 5), G.layer(x.shape, 1)) == "rows"
-    assert cpu.layout(x.view(4, 8, 25), G.batch(x.shape)) == "nchw"
+    assert cpu.layout(x.view(4, 8, 25), G.batch(x.shape)) == "planes"
     xc = x.to(memory_format=torch.channels_last)
     assert cpu.layout(xc.view(4, 8, 25), G.instance(x.shape)) == "channels_last"
     # BatchNorm on rows of channels: channels_last, and (N, C) (one position per channel)
@@ -39,22 +39,18 @@ def test_layout_names_the_kernel_family():
     assert cpu.layout(rows_apart, G.layer(rows_apart.shape, 1)) is None
 
 
-def test_functional_runs_the_numba_kernels(monkeypatch):
-    """(the Python plans' path; the C++ node's is in test_native.py)"""
-    calls = []
-    real = entries.rows_forward
-
-    def spy(*args):
-        calls.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(entries, "rows_forward", spy)
+def test_functional_runs_the_cpp_executor():
+    # every CPU call of a supported input runs a C++ plan (recorded by its node); switched
+    # off, the composite torch path
+    x = torch.randn(3, 7, requires_grad=True)
+    assert "NormNode" in NF.layer_norm(x, [7]).grad_fn.name()
+    assert hasattr(backends.plan(x.detach(), G.layer(x.shape, 1)), "apply")
     native.switch(False)
     try:
-        NF.layer_norm(torch.randn(3, 7), [7])
+        assert "NormNode" not in NF.layer_norm(x, [7]).grad_fn.name()
+        assert not hasattr(backends.plan(x.detach(), G.layer(x.shape, 1)), "apply")
     finally:
         native.switch(True)
-    assert calls
 
 
 def test_cached_kernels_are_dropped_when_a_source_changes(tmp_path):
@@ -109,7 +105,7 @@ def test_kernels_round_the_same_compiled_or_loaded_from_the_cache(tmp_path):
     import subprocess
     import sys
 
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NORMKIT_NATIVE="0")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     runs = [subprocess.run([sys.executable, "-c", _HASH_RUN], env=env, capture_output=True,
                            text=True, timeout=600) for _ in range(2)]
     for r in runs:

@@ -10,7 +10,9 @@ pytest.importorskip("numba")
 import _cpu_cases as cases  # noqa: E402
 from _cpu_cases import DTYPES, threaded  # noqa: E402,F401 -- fixture by name
 from numba import errors, njit  # noqa: E402
-from normkit.backends.cpu import stores, tuning  # noqa: E402
+import torch  # noqa: E402
+from normkit import grouping as G  # noqa: E402
+from normkit.backends.cpu import plans, stores, tuning  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("threaded")
 
@@ -115,12 +117,12 @@ def test_streamed_outputs(op, shape, layout, dtype, monkeypatch):
     fn, ref = cases.op(op, c)
     if op == "rms":
         b = None
-    asked = []
-    monkeypatch.setattr(tuning, "STREAM_BYTES", 0)     # plans ask stream_out at any size
-    monkeypatch.setattr(tuning, "stream_out", lambda t: False)
+    monkeypatch.setattr(tuning, "STREAM_BYTES", 1 << 62)                   # never
     plain = cases.run(fn, x, w, b, dy)
-    monkeypatch.setattr(tuning, "stream_out", lambda t: asked.append(t.shape) or True)
+    monkeypatch.setattr(tuning, "STREAM_BYTES", 1)                         # always
+    monkeypatch.setattr(tuning, "STREAM_FRESH", True)
     streamed = cases.run(fn, x, w, b, dy)
-    assert len(asked) == 2                                         # y, then dx
+    assert plans.Rows(torch.zeros(2, 2, dtype=dtype), G.layer((2, 2), 1), True,
+                      False).stream_bytes == (1 if dtype.itemsize >= 4 else 0)
     cases.same_bits(plain, streamed, "streamed")
     cases.check_against_reference(streamed, ref, x, w, b, dy, dtype)

@@ -31,12 +31,11 @@ def test_serial_and_threaded_runs_agree(op, shape, layout, monkeypatch):
     results = []
     for below in (1 << 60, 0):
         monkeypatch.setattr(tuning, "SERIAL_BELOW", below)
-        monkeypatch.setattr(tuning, "NATIVE_SERIAL_BELOW", below)
         results.append(cases.run(fn, x, w, b, dy))
     serial, threaded = results
     if layout == "contiguous":
-        # (the C++ node's ranges or the Python launch's; re-associable reductions may round
-        # differently between a range and the whole: a few ulps)
+        # (re-associable reductions may round differently between a range and the whole:
+        # a few ulps)
         torch.testing.assert_close(serial[0], threaded[0], rtol=2e-6, atol=2e-6)
     for p, q, name in zip(serial, threaded, ("y", "dx", "dweight", "dbias")):
         if p is not None:
@@ -63,7 +62,6 @@ def test_eval_batch_norm_serial_by_channel_threaded_by_plane(shape, dtype, monke
     got = []
     for below in (1 << 60, 0):
         monkeypatch.setattr(tuning, "SERIAL_BELOW", below)
-        monkeypatch.setattr(tuning, "NATIVE_SERIAL_BELOW", below)
         backends.clear_plans()
         with torch.no_grad():
             got.append(NF.batch_norm(x, layer.running_mean, layer.running_var, layer.weight,
@@ -75,36 +73,31 @@ def test_eval_batch_norm_serial_by_channel_threaded_by_plane(shape, dtype, monke
 
 
 def test_threads_rule(monkeypatch):
-    # a launch from C++ splits from NATIVE_SERIAL_BELOW, one from Python from SERIAL_BELOW;
-    # channels_last InstanceNorm with given statistics has no C++ callbacks; the others,
-    # NCHW or channels_last, do (where the node builds)
+    # from SERIAL_BELOW elements torch's thread count, one thread below it (and without
+    # torch's OpenMP runtime, where the C++ plan would run the ranges one by one); every
+    # family's plan follows the rule
     from normkit import grouping as G
-    from normkit.backends import cpu
-    from normkit.backends.cpu import native
+    from normkit.backends import _parallel, cpu
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    monkeypatch.setattr(tuning, "SERIAL_BELOW", 2000)
-    monkeypatch.setattr(tuning, "NATIVE_SERIAL_BELOW", 500)
-    x = torch.zeros(3, 6, 9, 11)                                     # 1782 elements
-    assert tuning.threads(x) == 1 and tuning.threads(x, native=True) == 4
-    xc = x.to(memory_format=torch.channels_last)
-    assert cpu.plan(xc, G.instance(x.shape), fixed=True).threads == 1
-    in_cpp = 4 if native.threads_in_cpp() else 1
-    assert cpu.plan(xc, G.instance(x.shape)).threads == in_cpp
-    assert cpu.plan(xc, G.batch(x.shape)).threads == in_cpp
-    assert cpu.plan(x, G.batch(x.shape)).threads == in_cpp
+    small, large = torch.zeros(3, 6, 9, 11), torch.zeros(3, 6, 10, 11)   # 1782, 1980 elements
+    monkeypatch.setattr(tuning, "SERIAL_BELOW", 1800)
+    team = 4 if _parallel.backend() == "openmp" else 1
+    assert tuning.threads(small) == 1 and tuning.threads(large) == team
+    for x in (large, large.to(memory_format=torch.channels_last)):
+        for grouping in (G.instance(x.shape), G.batch(x.shape), G.group(x.shape, 3)):
+            assert cpu.plan(x, grouping).threads == team
+        assert cpu.plan(x, G.instance(x.shape), fixed=True).threads == team
+    assert cpu.plan(small, G.batch(small.shape)).threads == 1
+    monkeypatch.setattr(_parallel, "backend", lambda: "serial")
+    assert tuning.threads(large) == 1
 
 
-def test_stream_out_rule(monkeypatch):
-    # float32/float64 outputs from STREAM_BYTES up stream, if their memory is mapped
+def test_stream_bytes_rule(monkeypatch):
+    # float32/float64 outputs from STREAM_BYTES up may stream, half precision never
     monkeypatch.setattr(tuning, "STREAM_BYTES", 1 << 20)
-    monkeypatch.setattr(tuning._memory, "resident", lambda t: True)
-    assert tuning.stream_out(torch.zeros(1 << 18))                 # 1 MiB of float32
-    assert tuning.stream_out(torch.zeros(1 << 17, dtype=torch.float64))
-    assert not tuning.stream_out(torch.zeros((1 << 18) - 1))
-    assert not tuning.stream_out(torch.zeros(1 << 20, dtype=torch.bfloat16))
-    monkeypatch.setattr(tuning._memory, "resident", lambda t: False)   # freshly mapped
-    assert not tuning.stream_out(torch.zeros(1 << 18))
+    assert tuning.stream_bytes(4) == tuning.stream_bytes(8) == 1 << 20
+    assert tuning.stream_bytes(2) == 0
 
 
 def test_last_level_cache_bytes(tmp_path):

@@ -1,10 +1,7 @@
-"""The C++ node (``normkit.backends.cpu.native``): small calls run normkit's kernels from a
-C++ autograd Function. Each case runs on both paths, the C++ node and the Python plans,
-against the float64 reference and against torch. The two paths run the same kernel code,
-compiled twice (the entry, and the entry inlined into its C callback); the reductions
-written with ``half.accumulate`` may be re-associated by LLVM, so the two compilations
-may sum in another order: the paths agree to a few units in the last place, usually to
-the bit."""
+"""The C++ executor (``normkit.backends.cpu.native``): every CPU call runs normkit's kernels
+in a C++ plan, recorded by its C++ autograd Function. Each case runs on both paths, the
+executor and the composite torch path it leaves to when switched off, against the float64
+reference and against torch."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ import normkit.functional as NF  # noqa: E402
 import normkit.nn as nknn  # noqa: E402
 from normkit import backends  # noqa: E402
 from normkit import grouping as G  # noqa: E402
-from normkit.backends.cpu import native, tuning  # noqa: E402
+from normkit.backends.cpu import native, plans, tuning  # noqa: E402
 
 if not native.enabled():
     pytest.skip("NORMKIT_NATIVE=0: the C++ node is switched off", allow_module_level=True)
@@ -51,7 +48,8 @@ def _node_name(y):
 
 
 def _both_paths(fn, x, w, b, dy):
-    """(y, dx, dw, db) on the C++ node, then on the Python plans; asserts which ran."""
+    """(y, dx, dw, db) on the C++ executor, then on the composite path; asserts which
+    ran."""
     results = []
     for on in (True, False):
         native.switch(on)
@@ -74,7 +72,7 @@ SMALL = [("layer", (6, 40)), ("rms", (6, 40)), ("layer", (3, 5, 16)),
 
 @pytest.mark.parametrize("dtype", cases.DTYPES, ids=str)
 @pytest.mark.parametrize("op,shape", SMALL, ids=str)
-def test_node_matches_the_python_plans_and_the_reference(op, shape, dtype):
+def test_executor_matches_the_composite_path_and_the_reference(op, shape, dtype):
     c = shape[-1] if op in ("layer", "rms") else shape[1]
     x, w, b, dy = cases.inputs(shape, dtype, c, offset=1.0)
     if op == "rms":
@@ -83,7 +81,7 @@ def test_node_matches_the_python_plans_and_the_reference(op, shape, dtype):
     node, python = _both_paths(fn, x, w, b, dy)
     for p, q, name in zip(node, python, ("y", "dx", "dweight", "dbias")):
         if p is not None:
-            _near(p, q, dtype, name)
+            cases.close(cases.np64(p), cases.np64(q), dtype, name)
             assert p.dtype == q.dtype and p.shape == q.shape and p.stride() == q.stride()
     cases.check_against_reference(node, ref, x, w, b, dy, dtype)
 
@@ -104,8 +102,8 @@ def test_node_on_channels_last(op, shape, dtype):
     fn, ref = cases.op(op, c)
     node, python = _both_paths(fn, x, w, b, dy)
     for p, q, name in zip(node, python, ("y", "dx", "dweight", "dbias")):
-        _near(p, q, dtype, name)
-        assert p.dtype == q.dtype and p.shape == q.shape and p.stride() == q.stride()
+        cases.close(cases.np64(p), cases.np64(q), dtype, name)
+        assert p.dtype == q.dtype and p.shape == q.shape
     assert node[0].stride() == x.stride() and node[1].stride() == x.stride()
     cases.check_against_reference(node, ref, x, w, b, dy, dtype)
     xr = x.detach().requires_grad_(True)                           # a contiguous gradient
@@ -115,26 +113,26 @@ def test_node_on_channels_last(op, shape, dtype):
 
 @pytest.mark.parametrize("kind", ["batch", "group"])
 def test_channels_last_node_refuses_other_memory(kind):
-    # a staged plan's node reads rows of channels: the same sizes in NCHW memory, or with
-    # the positions not C apart, are refused before any kernel runs
+    # a plan of rows of channels: the same sizes in NCHW memory, or with the positions not
+    # C apart, are refused before any kernel runs
     x = torch.randn(4, 6, 3, 5).contiguous(memory_format=torch.channels_last)
     grouping = G.batch(x.shape) if kind == "batch" else G.group(x.shape, 2)
-    node = backends.plan(x, grouping).native
-    assert node is not None
-    node.forward(x, None, None, 1e-5, None, None, False, False)            # its own memory
-    node.forward(x.view(grouping.view), None, None, 1e-5, None, None, False, False)
+    plan = backends.plan(x, grouping)
+    assert hasattr(plan, "apply")                                   # the C++ executor
+    plan.forward(x, None, None, 1e-5, None, None, False)                   # its own memory
+    plan.forward(x.view(grouping.view), None, None, 1e-5, None, None, False)
     for other in (x.contiguous(), x.transpose(2, 3)):
         with pytest.raises(RuntimeError, match="channels_last"):
-            node.forward(other, None, None, 1e-5, None, None, False, False)
+            plan.forward(other, None, None, 1e-5, None, None, False)
 
 
 @pytest.mark.parametrize("op", ["layer", "rms", "batch", "group", "instance",
                                 "batch-channels_last", "group-channels_last",
                                 "instance-channels_last"])
 def test_both_sides_of_the_serial_threshold(op, monkeypatch):
-    # below SERIAL_BELOW the node runs its kernels on the calling thread, from it in
-    # ranges on torch's OpenMP team (partial gradients per range, added up in C++): the
-    # same results as the Python plans' threaded launch, and the reference's
+    # below SERIAL_BELOW the plan runs its kernels on the calling thread, from it in
+    # ranges on torch's OpenMP team (partial sums per range, merged in stage 1): the
+    # composite path's results, and the reference's
     op, _, layout = op.partition("-")
     shape = (8, 48) if op in ("layer", "rms") else (4, 6, 5, 7)
     c = shape[-1] if op in ("layer", "rms") else shape[1]
@@ -146,40 +144,38 @@ def test_both_sides_of_the_serial_threshold(op, monkeypatch):
     got = {}
     for below, threads in ((x.numel() + 1, 1), (x.numel(), 3)):
         monkeypatch.setattr(tuning, "SERIAL_BELOW", below)
-        monkeypatch.setattr(tuning, "NATIVE_SERIAL_BELOW", below)
         backends.clear_plans()
         assert tuning.threads(x) == threads
         got[threads] = _both_paths(fn, x, w, b, dy)
         for path in got[threads]:
             cases.check_against_reference(path, ref, x, w, b, dy, torch.float32)
-        node, python = got[threads]
-        for p, q, name in zip(node, python, ("y", "dx", "dweight", "dbias")):
+        node, composite = got[threads]
+        for p, q, name in zip(node, composite, ("y", "dx", "dweight", "dbias")):
             if q is not None:
-                _near(p, q, torch.float32, name)
+                cases.close(cases.np64(p), cases.np64(q), torch.float32, name)
     # every output element is one work item's on both sides (to rounding, see the top)
     _near(got[1][0][0], got[3][0][0], torch.float32, "y")
 
 
 @pytest.mark.parametrize("op", ["group", "instance"])
 def test_channels_last_forward_per_sample_and_in_stages(op, monkeypatch):
-    # the node's channels_last forward takes a sample per work item in stage 0 alone when
-    # there are at least as many samples as threads, the three stages below that: both
-    # sides give the Python plans' results and the reference's
+    # the channels_last forward takes a sample per work item in stage 0 alone when there
+    # are at least as many samples as threads, the three stages below that: both sides
+    # give the composite path's results and the reference's
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     monkeypatch.setattr(tuning, "SERIAL_BELOW", 1)
-    monkeypatch.setattr(tuning, "NATIVE_SERIAL_BELOW", 1)
     fn, ref = cases.op(op, 6)
     for n, per_sample in ((2, False), (3, True), (5, True)):
         backends.clear_plans()
         x, w, b, dy = cases.inputs((n, 6, 5, 7), torch.float32, 6, "channels_last",
                                    offset=2.0)
         grouping = G.group(x.shape, 3) if op == "group" else G.instance(x.shape)
-        plan = backends.plan(x, grouping)
-        assert plan.native is not None and plan.per_sample == per_sample
-        assert native._work(plan)[0] == (0 if per_sample else n * plan.parts)
-        node, python = _both_paths(fn, x, w, b, dy)
-        for p, q, name in zip(node, python, ("y", "dx", "dweight", "dbias")):
-            _near(p, q, torch.float32, name)
+        family = plans.ChannelsLast(x, grouping, True, False)
+        assert family.per_sample == per_sample
+        assert family.forward_work.last == (0 if per_sample else n * family.parts)
+        node, composite = _both_paths(fn, x, w, b, dy)
+        for p, q, name in zip(node, composite, ("y", "dx", "dweight", "dbias")):
+            cases.close(cases.np64(p), cases.np64(q), torch.float32, name)
         cases.check_against_reference(node, ref, x, w, b, dy, torch.float32)
 
 
@@ -294,7 +290,8 @@ def test_statistics_are_not_differentiable_and_y_is_its_own_tensor():
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("NORMKIT_NATIVE", "0")
     native.switch(True)
-    assert not native.enabled() and native.extension() is None
+    with pytest.warns(RuntimeWarning, match="switched off"):
+        assert not native.enabled() and native.extension() is None
     y = NF.layer_norm(torch.randn(3, 8, requires_grad=True), (8,))
     assert "NormNode" not in _node_name(y)
     monkeypatch.delenv("NORMKIT_NATIVE")
@@ -323,16 +320,15 @@ def test_running_statistics_updated_in_the_node_or_after_it(dtype):
 
 def test_a_plan_refuses_a_tensor_it_was_not_built_for():
     x = torch.randn(4, 16)
-    node = backends.plan(x, G.layer(x.shape, 1)).native
-    assert node is not None
+    plan = backends.plan(x, G.layer(x.shape, 1))
     with pytest.raises(RuntimeError,
                        match="built for a contiguous CPU tensor of 64 Float elements"):
-        node.forward(torch.randn(4, 16, dtype=torch.float64), None, None, 1e-5, None, None,
-                     False, False)
+        plan.forward(torch.randn(4, 16, dtype=torch.float64), None, None, 1e-5, None, None,
+                     False)
     with pytest.raises(RuntimeError, match="got sizes \\[5, 16\\]"):
-        node.apply(torch.randn(5, 16), None, None, 1e-5, None, None, None, False)
+        plan.apply(torch.randn(5, 16), None, None, 1e-5, None, None, False)
     with pytest.raises(RuntimeError, match="a weight or bias of 16 elements"):
-        node.forward(x, torch.ones(5), None, 1e-5, None, None, False, False)
+        plan.forward(x, torch.ones(5), None, 1e-5, None, None, False)
 
 
 # ---- eval BatchNorm layers keep their node (nn.batchnorm._BatchNorm._eval_node_call) ----
@@ -354,7 +350,7 @@ def test_eval_layer_keeps_its_node_and_matches_the_full_path_and_torch():
     ours, theirs, x = _eval_bn()
     with torch.no_grad():
         y = ours(x)
-        assert ours.__dict__["_eval_node"][1][0] is not None     # the kept node ran
+        assert hasattr(ours.__dict__["_eval_plan"][1][0], "apply")     # the kept node ran
         full = NF.batch_norm(x, ours.running_mean, ours.running_var, ours.weight, ours.bias)
         torch.testing.assert_close(y, full, rtol=0, atol=0)
         torch.testing.assert_close(y, theirs(x))
@@ -385,12 +381,12 @@ def test_eval_layer_node_is_dropped_with_the_plans_and_not_copied():
         ours(x)
         native.switch(False)                                   # clear_plans: a new epoch
         torch.testing.assert_close(ours(x), theirs(x))
-        assert ours.__dict__["_eval_node"][1][0] is None          # no node: the full path ran
+        assert not hasattr(ours.__dict__["_eval_plan"][1][0], "apply")   # the composite
         native.switch(True)
         ours(x)
-        assert ours.__dict__["_eval_node"][1][0] is not None
+        assert hasattr(ours.__dict__["_eval_plan"][1][0], "apply")
     for twin in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
-        assert "_eval_node" not in twin.__dict__
+        assert "_eval_plan" not in twin.__dict__
         with torch.no_grad():
             torch.testing.assert_close(twin(x), theirs(x))
 
@@ -404,10 +400,10 @@ def test_eval_layer_node_not_used_with_grad_or_by_subclasses():
     sub = Sub(6).eval()
     sub.load_state_dict(ours.state_dict())
     y = ours(x)                                                # grad enabled: the full path
-    assert "_eval_node" not in ours.__dict__ and y.requires_grad
+    assert "_eval_plan" not in ours.__dict__ and y.requires_grad
     with torch.no_grad():
         torch.testing.assert_close(sub(x), theirs(x))
-    assert "_eval_node" not in sub.__dict__
+    assert "_eval_plan" not in sub.__dict__
 
 
 def _kept_against_torch(ours, theirs, x, slot, dtype):
@@ -419,7 +415,7 @@ def _kept_against_torch(ours, theirs, x, slot, dtype):
         xs = [x.clone().requires_grad_(grad) for _ in range(2)]
         with torch.set_grad_enabled(grad):
             y, ty = ours(xs[0]), theirs(xs[1])
-        assert ours.__dict__[slot][1][0] is not None           # the kept node ran
+        assert hasattr(ours.__dict__[slot][1][0], "apply")   # the kept C++ plan ran
         torch.testing.assert_close(y, ty, **tol)
         if grad:
             y.square().sum().backward()
@@ -435,7 +431,7 @@ def test_training_layer_keeps_its_node_and_matches_torch(dtype):
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
     for momentum in (0.1, None):
         ours.momentum = theirs.momentum = momentum
-        _kept_against_torch(ours, theirs, x, "_train_node", dtype)
+        _kept_against_torch(ours, theirs, x, "_train_plan", dtype)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), **tol)
 
@@ -449,12 +445,12 @@ def test_layer_keeps_its_node_on_channels_last(dtype):
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
     with torch.no_grad():
         torch.testing.assert_close(ours(xc), theirs(xc), **tol)
-    assert ours._eval_node[1][0] is not None
+    assert hasattr(ours._eval_plan[1][0], "apply")
     assert ours(xc).is_contiguous(memory_format=torch.channels_last)
     ours.train(), theirs.train()
     for data in (xc, x):
-        _kept_against_torch(ours, theirs, data, "_train_node", dtype)
-        assert ours._train_node[0][1] == data.stride()
+        _kept_against_torch(ours, theirs, data, "_train_plan", dtype)
+        assert ours._train_plan[0][1] == data.stride()
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), **tol)
 
@@ -495,8 +491,8 @@ def test_group_norm_layer_keeps_a_node_per_layout(dtype):
     ours, theirs, x = _per_sample("group", dtype)
     xc = x.contiguous(memory_format=torch.channels_last)
     for data in (xc, x):
-        _kept_against_torch(ours, theirs, data, "_node", dtype)
-        assert ours._node[0][1] == data.stride()
+        _kept_against_torch(ours, theirs, data, "_plan", dtype)
+        assert ours._plan[0][1] == data.stride()
     assert ours(xc).is_contiguous(memory_format=torch.channels_last)
 
 
@@ -504,7 +500,7 @@ def test_group_norm_layer_keeps_a_node_per_layout(dtype):
 @pytest.mark.parametrize("name", list(PER_SAMPLE))
 def test_per_sample_layer_keeps_its_node_and_matches_torch(name, dtype):
     ours, theirs, x = _per_sample(name, dtype)
-    _kept_against_torch(ours, theirs, x, "_node", dtype)
+    _kept_against_torch(ours, theirs, x, "_plan", dtype)
     with torch.no_grad():                                      # bit for bit the full path
         full = {"layer": lambda: NF.layer_norm(x, (16,), ours.weight, ours.bias),
                 "group": lambda: NF.group_norm(x, 2, ours.weight, ours.bias),
@@ -531,16 +527,16 @@ def test_per_sample_layer_refusals_take_the_full_path(name):
         torch.testing.assert_close(ours(x.double()), theirs(x.double()))
         native.switch(False)                                   # a new epoch: no node
         torch.testing.assert_close(ours(x.double()), theirs(x.double()))
-        assert ours.__dict__["_node"][1][0] is None
+        assert not hasattr(ours.__dict__["_plan"][1][0], "apply")
         native.switch(True)
     for twin in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
-        assert "_node" not in twin.__dict__
+        assert "_plan" not in twin.__dict__
     sub = type("Sub", (type(ours),), {})                       # subclasses: the full path
     layer = copy.deepcopy(ours)
     layer.__class__ = sub
     with torch.no_grad():
         torch.testing.assert_close(layer(x.double()), theirs(x.double()))
-    assert "_node" not in layer.__dict__
+    assert "_plan" not in layer.__dict__
 
 
 def test_layer_moved_back_to_the_cpu_builds_its_node_again():
@@ -550,11 +546,11 @@ def test_layer_moved_back_to_the_cpu_builds_its_node_again():
     x = torch.randn(4, 5, 16, dtype=torch.float64)
     with torch.no_grad():
         layer(x.to("meta"))
-        assert layer.__dict__["_node"][1][0] is None
+        assert not hasattr(layer.__dict__["_plan"][1][0], "apply")
         layer = layer.to_empty(device="cpu")
         layer.reset_parameters()
         y = layer(x)
-    assert layer.__dict__["_node"][1][0] is not None
+    assert hasattr(layer.__dict__["_plan"][1][0], "apply")
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (16,)))
 
 
@@ -565,4 +561,4 @@ def test_rms_norm_layer_with_an_offset_or_a_casting_takes_the_full_path():
         y = layer(x)
         torch.testing.assert_close(y, NF.rms_norm(x, (16,), layer.weight, offset=1.0,
                                                   casting="gemma"), rtol=0, atol=0)
-    assert "_node" not in layer.__dict__                       # nothing kept
+    assert "_plan" not in layer.__dict__                       # nothing kept

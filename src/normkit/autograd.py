@@ -60,18 +60,19 @@ def view_as(t, shape):
 
 
 def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
-               fixed_mean=None, fixed_rstd=None, stats=True, fixed_var=None, running=None):
+               fixed_mean=None, fixed_rstd=None, keep_stats=True, fixed_var=None,
+               running=None):
     """Run ``torch.ops.normkit.norm_forward`` on ``x`` seen through ``grouping.view`` (the
     composite torch ops where ``normkit.ops.decomposing()``); returns ``(y, mean, var)``
-    with ``y`` in ``x``'s shape (and memory layout); ``stats=False``: the caller uses ``y``
-    alone, ``mean`` and ``var`` may be None. Fixed statistics come as ``fixed_mean`` and
+    with ``y`` in ``x``'s shape (and memory layout); ``keep_stats=False``: the caller uses
+    ``y`` alone, ``mean`` and ``var`` may be None. Fixed statistics come as ``fixed_mean`` and
     ``fixed_rstd``, or ``fixed_var`` instead of the rstd. ``running``: the running
     buffers to update on the way where the path can (``normkit.ops.norm_forward``; then
     ``mean`` and ``var`` come back None and the caller has nothing left to update). ``y``
     is never a view of ``x``, so callers may modify it in place."""
     if not torch.compiler.is_compiling():        # eager (the common case, checked first)
         y, mean, _, var = ops.norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
-                                           fixed_rstd, stats, fixed_var, running)
+                                           fixed_rstd, keep_stats, fixed_var, running)
         return y, mean, var
     if ops.decomposing():
         if fixed_mean is not None:
@@ -81,7 +82,7 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
                                             eps, center, fixed_mean, fixed_rstd)
         return y.reshape(x.shape), mean, var
     y, mean, _, var = ops.norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
-                                       fixed_rstd, stats, fixed_var)
+                                       fixed_rstd, keep_stats, fixed_var)
     return y, mean, var
 
 

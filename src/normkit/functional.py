@@ -128,12 +128,12 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         # converted only where their dtype differs (a call to .to costs a microsecond)
         mean = running_mean if running_mean.dtype == sdtype else running_mean.to(sdtype)
         var = running_var if running_var.dtype == sdtype else running_var.to(sdtype)
-        return apply_norm(input, grouping, weight, bias, eps, True, mean, stats=False,
+        return apply_norm(input, grouping, weight, bias, eps, True, mean, keep_stats=False,
                           fixed_var=var)[0]
     running = (None if running_mean is None or n <= 0 else
                (running_mean, running_var, momentum, n / (n - 1)))
     y, mean, var = apply_norm(input, grouping, weight, bias, eps, running=running)
-    if running is not None and mean is not None:     # not updated on the way (no C++ node)
+    if running is not None and mean is not None:     # traced: not updated on the way
         update_running(*running[:2], mean, var, *running[2:])
     return y
 
@@ -166,7 +166,8 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         shape = grouping.stat_shape
         mean = running_mean.to(sdtype).view(1, c, 1).expand(shape)
         rstd = torch.rsqrt(running_var.to(sdtype).view(1, c, 1) + eps).expand(shape)
-        return apply_norm(input, grouping, weight, bias, eps, True, mean, rstd, stats=False)[0]
+        return apply_norm(input, grouping, weight, bias, eps, True, mean, rstd,
+                          keep_stats=False)[0]
     if s == 1:
         raise ValueError(f"Expected more than 1 spatial element when training, got input size "
                          f"{input.size()}: one value per instance cannot be normalized")
@@ -197,7 +198,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             f"num_groups among the divisors of {c}")
     _check_channels(input, weight=weight, bias=bias)
     return apply_norm(input, _group(input.shape, num_groups), weight, bias, eps,
-                      stats=False)[0]
+                      keep_stats=False)[0]
 
 
 def _check_normalized_shape(input, normalized_shape, weight, bias, op):
@@ -237,7 +238,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """
     shape = _check_normalized_shape(input, normalized_shape, weight, bias, "layer_norm")
     return apply_norm(input, _layer(input.shape, len(shape)), weight, bias, eps,
-                      stats=False)[0]
+                      keep_stats=False)[0]
 
 
 def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, casting="torch"):
@@ -265,12 +266,12 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, cast
     if casting != "torch":                       # normalize as the model does, then its cast
         x = input.to(normalize_dtype(input, casting))
         x_hat = apply_norm(x, _layer(x.shape, len(shape)), None, None, eps, False,
-                           stats=False)[0]
+                           keep_stats=False)[0]
         return scale_and_cast(x_hat, input.dtype, weight, offset, casting)
     if offset:
         weight = offset + weight
     return apply_norm(input, _layer(input.shape, len(shape)), weight, None, eps, False,
-                      stats=False)[0]
+                      keep_stats=False)[0]
 
 
 def normalize(x, dims, eps=1e-5, weight=None, bias=None, center=True):
@@ -308,7 +309,7 @@ def normalize(x, dims, eps=1e-5, weight=None, bias=None, center=True):
             if p.dim() > x.dim() or torch.broadcast_shapes(p.shape, x.shape) != x.shape:
                 raise ValueError(f"{name} of shape {_size(p.shape)} would enlarge the input "
                                  f"of shape {_size(x.shape)}; give it at most x's shape")
-    return apply_norm(x, G.dims(x.shape, dims), weight, bias, eps, center, stats=False)[0]
+    return apply_norm(x, G.dims(x.shape, dims), weight, bias, eps, center, keep_stats=False)[0]
 
 
 def batch_renorm(input, running_mean, running_var, weight=None, bias=None, training=False,

@@ -290,6 +290,44 @@ def plain_eager(x) -> bool:
     return type(x) is torch.Tensor and not torch._C._len_torch_dispatch_stack()
 
 
+def run(plan, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None,
+        running=None):
+    """The one call of a plan in eager mode: every layer and functional op reaches the
+    kernels through here (``norm_forward``, and the layers with the plan they keep,
+    ``normkit.nn._kept``). Returns ``(y, mean, rstd, var)``, ``y`` in ``x``'s shape.
+
+    A C++ plan (``normkit.backends.cpu``) runs the call itself: ``apply`` when a gradient
+    is to be recorded (its ``torch::autograd::Function``), ``forward`` otherwise. Any other
+    plan (the GPU's, the composite's) runs ``forward``, or ``NormFunction`` when a
+    gradient is to be recorded. Fixed statistics: ``mean`` with ``rstd``, or with ``var``
+    (``rstd`` None: computed from it). ``running = (running_mean, running_var, momentum,
+    unbias)``: the running buffers updated from the batch statistics (in the C++ call
+    where it can), which then come back None; ``keep_stats=False``: the statistics may
+    come back None."""
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad))
+    executor = hasattr(plan, "apply")
+    if executor:
+        call = plan.apply if grad else plan.forward
+        out = (call(x, weight, bias, eps, mean, rstd, keep_stats, var) if running is None
+               else call(x, weight, bias, eps, mean, rstd, keep_stats, var, *running))
+    elif grad:
+        grouping = plan.grouping
+        if mean is not None:
+            mean, rstd = torch_ops.fixed_stats(grouping, mean, rstd, var, eps)
+        stats = []
+        y = NormFunction.apply(x, weight, bias, (grouping, eps, plan.center, mean, rstd, stats))
+        out = (y, *stats)
+    else:
+        out = plan.forward(x, weight, bias, eps, mean, rstd, keep_stats, var)
+    if running is not None and out[1] is not None and not (executor and mean is not None):
+        backends.update_running(running[0], running[1], out[1].reshape(-1),
+                                out[3].reshape(-1), running[2], running[3])
+        return out[0], None, None, None
+    return out
+
+
 def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mean=None,
                  rstd=None, keep_stats=True, var=None, running=None):
     """``torch.ops.normkit.norm_forward`` over ``grouping`` for ``x`` in any shape with the
@@ -298,63 +336,25 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     eager mode, empty tensors when traced; ``keep_stats=False``: the caller wants ``y``
     alone, the statistics may be None). Fixed statistics may be given as ``mean`` and
     ``var`` (``rstd=None``): eval BatchNorm's running statistics, as (C,) buffers or in
-    the grouping's ``stat_shape``; without a gradient to record, the kernel computes
-    ``rstd = 1 / sqrt(var + eps)`` as it normalizes. ``running = (running_mean,
-    running_var, momentum, unbias)`` (training BatchNorm): the C++ node updates the
-    buffers from the batch statistics on the way (``normkit.backends.update_running``'s
-    formula) and then returns no statistics (``mean`` None); any other path leaves the
-    update to the caller and returns them.
+    the grouping's ``stat_shape``. ``running = (running_mean, running_var, momentum,
+    unbias)`` (training BatchNorm): the buffers updated on the way, and no statistics
+    returned (eager); traced, the caller updates them.
 
     In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
-    and runs what they would run: ``NormFunction`` when an input requires a gradient,
-    the backend's plan otherwise. Traced, it is the operator call on the view."""
-    # (plain_eager and _needs_grad written out: on a small tensor each Python call on the
-    # way to the kernel costs, and more inside a model than alone; docs/performance.md)
+    and runs the plan of the input (``run``); traced, it is the operator call on the
+    view."""
     if (not torch.compiler.is_compiling() and type(x) is torch.Tensor
             and not torch._C._len_torch_dispatch_stack()):
-        grad = torch.is_grad_enabled() and (
-            x.requires_grad or (weight is not None and weight.requires_grad)
-            or (bias is not None and bias.requires_grad))
-        contiguous = x.is_contiguous()
-        if not contiguous and grouping.kind == "layer" and x.device.type == "cpu":
-            # rows that are not one block of memory (a permuted view: ConvNeXt's blocks)
-            # are copied to rows of K on any path: copied here, the node runs them
-            x, contiguous = x.contiguous(), True
-        # the C++ node: a contiguous input, or a channels_last one (the plan of its view;
-        # the node reads any shape of that memory)
-        xv = x if contiguous else _rows_of_channels_view(x, grouping)
-        if xv is not None:
-            plan = backends.plan(xv, grouping, center, mean is not None)
-            node = plan.native
-            if node is not None:
-                if grad:
-                    out = (node.apply(x, weight, bias, eps, mean, rstd, var, keep_stats)
-                           if running is None else
-                           node.apply(x, weight, bias, eps, None, None, None, True, *running))
-                elif running is None:     # (plan.forward would do this, one call later)
-                    from_var = mean is not None and rstd is None
-                    out = node.forward(x, weight, bias, eps, mean, var if from_var else rstd,
-                                       from_var, keep_stats)
-                else:
-                    out = node.forward(x, weight, bias, eps, None, None, False, True, *running)
-                if len(out) == 4:
-                    return tuple(out)
-                return out[0], mean, rstd, None  # fixed statistics, or none kept
-        if grad:
-            if mean is not None:
-                mean, rstd = torch_ops.fixed_stats(grouping, mean, rstd, var, eps)
-            stats = []
-            y = NormFunction.apply(x, weight, bias, (grouping, eps, center, mean, rstd, stats))
-            return (y, *stats)
-        shape = x.shape
-        if contiguous or shape == grouping.view:            # the plan takes it as it is
-            if not contiguous:
-                plan = backends.plan(x, grouping, center, mean is not None)
-            return plan.forward(x, weight, bias, eps, mean, rstd, keep_stats, var)
-        xv = x.reshape(grouping.view)
-        y, *stats = backends.plan(xv, grouping, center, mean is not None).forward(
-            xv, weight, bias, eps, mean, rstd, keep_stats, var)
-        return (y.reshape(shape), *stats)
+        # the plan of x itself: contiguous, or channels_last (the plan of its view, whose
+        # C++ node reads any shape of that memory); other strides as the view, copied
+        # where no view can express them (a permuted LayerNorm input: ConvNeXt's blocks)
+        xv = x if x.is_contiguous() else _rows_of_channels_view(x, grouping)
+        if xv is None and x.device.type == "cpu":
+            x = xv = x.contiguous()
+        elif xv is None:                  # (the plan of the view; its forward views x)
+            xv = x.reshape(grouping.view)
+        plan = backends.plan(xv, grouping, center, mean is not None)
+        return run(plan, x, weight, bias, eps, mean, rstd, keep_stats, var, running)
     if mean is not None:
         mean, rstd = torch_ops.fixed_stats(grouping, mean, rstd, var, eps)
     y, *stats = _forward_op(x.reshape(grouping.view), weight, bias, *grouping_args(grouping),

@@ -28,8 +28,9 @@ described by a ``normkit.grouping.Grouping``:
     back None; fixed statistics as ``mean`` and ``var``: rstd computed from var) and
     ``backward(grad, x, mean, rstd, weight, needs)`` for this grouping, dtype and layout,
     with every decision that depends only on those made once (the CPU kernels' sizes,
-    blocks and threads), and ``native``: the C++ node that runs its calls
-    (``normkit.backends.cpu.native``), or None.
+    blocks and threads). The CPU's plans are C++ objects that also have ``apply`` (the
+    same call recorded for autograd) and take the running buffers to update
+    (``normkit.backends.cpu.native``); ``normkit.ops.run`` calls every plan.
 
 Backends are tried in order; ``torch_ops`` (a composite of torch ops, any device) always
 supports everything and is the fallback. ``plan`` below is what the operators call: the
@@ -95,8 +96,6 @@ def like(t, ref):
 class BackendPlan:
     """The plan of a backend without its own: its ``forward`` and ``backward`` with the
     grouping bound (output laid out as ``torch.empty_like(x)``, as the plans promise)."""
-
-    native = None           # no C++ node (``normkit.backends.cpu.native``)
 
     def __init__(self, backend, grouping, center, fixed):
         self.backend, self.grouping = backend, grouping     # (x viewed inside)

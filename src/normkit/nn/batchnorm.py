@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from normkit import backends
+from normkit import backends, ops
 from normkit import functional as F
 from normkit import grouping as G
 from normkit.nn._base import NormBase
-from normkit.nn._kept import KeptNode
+from normkit.nn._kept import KeptPlan
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
 
 
-class _BatchNorm(KeptNode, NormBase):
+class _BatchNorm(KeptPlan, NormBase):
     _accepted_dims: tuple = ()
     _rows_of_channels = True
 
@@ -24,17 +24,17 @@ class _BatchNorm(KeptNode, NormBase):
                              f"{list(input.shape)}) for {type(self).__name__}")
 
     def _build(self, x, fixed):
-        """``(node, unbias)`` of the plan for ``x`` (``KeptNode._kept``; the node None:
-        the full path runs), or None for an input the full path must see (another
-        dimension count)."""
+        """``(plan, unbias)`` of the plan for ``x`` (``KeptPlan._kept``; the plan None: the
+        full path runs), or None for an input the full path must see (another dimension
+        count)."""
         if x.dim() not in self._accepted_dims:
             return None
         grouping = G.batch(x.shape)
         n = grouping.group_size
-        # (no node for channels_last strides that do not view as (N, C, S))
+        # (none for channels_last strides that do not view as (N, C, S))
         viewable = G.view_strides(x.shape, x.stride(), grouping.view) is not None
-        node = backends.plan(x, grouping, True, fixed).native if n > 1 and viewable else None
-        return node, n / (n - 1) if n > 1 else 0.0
+        plan = backends.plan(x, grouping, True, fixed) if n > 1 and viewable else None
+        return plan, n / (n - 1) if n > 1 else 0.0
 
     def _own_tensors(self):
         """``(weight, bias, running_mean, running_var)`` from the module's own dicts (past
@@ -46,41 +46,34 @@ class _BatchNorm(KeptNode, NormBase):
             return None
         return (*params, running_mean, running_var)
 
-    def _train_node_call(self, x, factor):
-        """Training with running statistics: the kept node of this input's plan, with the
-        running update inside the C++ call (``node.apply`` when a gradient is recorded).
-        None where the full path runs (see ``_eval_node_call``)."""
+    def _train_call(self, x, factor):
+        """Training with running statistics: the kept plan of this input, with the running
+        update inside the call (``normkit.ops.run``). None where the full path runs (see
+        ``_eval_call``)."""
         if not self._plain_call(x):
             return None
-        kept, own = self._kept(x, "_train_node", self._build, False), self._own_tensors()
+        kept, own = self._kept(x, "_train_plan", self._build, False), self._own_tensors()
         if kept is None or kept[0] is None or own is None or not self.eps > 0:
             return None
-        (node, unbias), (w, b, running_mean, running_var) = kept, own
-        if not self._fit(self.num_features, w, b, running_mean, running_var):
+        (plan, unbias), (w, b, running_mean, running_var) = kept, own
+        if not self._fit(self.num_features, x.device, w, b, running_mean, running_var):
             return None
-        if self._needs_graph(x, w, b):
-            out = node.apply(x, w, b, self.eps, None, None, None, True, running_mean,
-                             running_var, factor, unbias)
-        else:
-            out = node.forward(x, w, b, self.eps, None, None, False, True, running_mean,
-                               running_var, factor, unbias)
-        if len(out) == 4:                        # buffers of another dtype: updated here
-            F.update_running(running_mean, running_var, out[1], out[3], factor, unbias)
-        return out[0]
+        return ops.run(plan, x, w, b, self.eps, keep_stats=False,
+                       running=(running_mean, running_var, factor, unbias))[0]
 
-    def _eval_node_call(self, x):
-        """Eval without a gradient: the kept node (``normkit.nn._kept``) called with the
+    def _eval_call(self, x):
+        """Eval without a gradient: the kept plan (``normkit.nn._kept``) called with the
         layer's running statistics as fixed ones. None where the full path runs: grad,
         no running statistics, or any case ``_kept`` lists."""
         if torch.is_grad_enabled() or not self._plain_call(x):
             return None
-        kept, own = self._kept(x, "_eval_node", self._build, True), self._own_tensors()
+        kept, own = self._kept(x, "_eval_plan", self._build, True), self._own_tensors()
         if kept is None or kept[0] is None or own is None or self.eps < 0:
             return None
         w, b, running_mean, running_var = own
-        if not self._fit(self.num_features, w, b, running_mean, running_var):
+        if not self._fit(self.num_features, x.device, w, b, running_mean, running_var):
             return None
-        return kept[0].forward(x, w, b, self.eps, running_mean, running_var, True, False)[0]
+        return ops.run(kept[0], x, w, b, self.eps, running_mean, None, False, running_var)[0]
 
     def _exponential_average_factor(self) -> float:
         """The momentum of this step; with ``momentum=None`` the running statistics are the
@@ -96,13 +89,13 @@ class _BatchNorm(KeptNode, NormBase):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training:
-            y = self._eval_node_call(input)
+            y = self._eval_call(input)
             if y is not None:
                 return y
         self._check_input_dim(input)
         factor = self._exponential_average_factor()
         if self.training and self.track_running_stats:
-            y = self._train_node_call(input, factor)
+            y = self._train_call(input, factor)
             if y is not None:
                 return y
         # buffers and parameters read once: each goes through Module.__getattr__
@@ -170,4 +163,4 @@ class BatchNorm3d(_BatchNorm):
     _accepted_dims = (5,)
 
 
-_BatchNorm._plain_classes = (BatchNorm1d, BatchNorm2d, BatchNorm3d)   # see KeptNode
+_BatchNorm._plain_classes = (BatchNorm1d, BatchNorm2d, BatchNorm3d)   # see KeptPlan

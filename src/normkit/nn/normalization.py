@@ -13,7 +13,7 @@ from normkit import backends
 from normkit import functional as F
 from normkit.grouping import view_strides
 from normkit.nn._base import check_eps, init_affine, reset_affine
-from normkit.nn._kept import KeptNode
+from normkit.nn._kept import KeptPlan
 from normkit.rms_casting import check_casting
 
 __all__ = ["LayerNorm", "GroupNorm", "RMSNorm"]
@@ -29,7 +29,7 @@ def _as_shape(normalized_shape, cls_name) -> tuple:
     return shape
 
 
-class LayerNorm(KeptNode, nn.Module):
+class LayerNorm(KeptPlan, nn.Module):
     r"""Layer normalization over the trailing ``normalized_shape`` dims (Ba et al., 2016).
 
     .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
@@ -74,17 +74,17 @@ class LayerNorm(KeptNode, nn.Module):
         return math.prod(self.normalized_shape)
 
     def _build(self, x):
-        """(node, None) of the plan for ``x`` (``KeptNode``), None for an input the full path
+        """(node, None) of the plan for ``x`` (``KeptPlan``), None for an input the full path
         must check (its trailing dims or the parameters' shapes are not normalized_shape)."""
         k, shape = len(self.normalized_shape), self.normalized_shape
         params = self._own_params()
         if (params is None or x.dim() < k or tuple(x.shape[x.dim() - k:]) != shape
                 or any(p is not None and p.shape != shape for p in params)):
             return None
-        return backends.plan(x, F._layer(x.shape, k), True, False).native, None
+        return backends.plan(x, F._layer(x.shape, k), True, False), None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        y = self._affine_node_call(input)
+        y = self._affine_call(input)
         if y is not None:
             return y
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -94,7 +94,7 @@ class LayerNorm(KeptNode, nn.Module):
                 f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}")
 
 
-class GroupNorm(KeptNode, nn.Module):
+class GroupNorm(KeptPlan, nn.Module):
     r"""Group normalization (Wu & He, 2018) over ``(N, C, *)``.
 
     .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
@@ -120,7 +120,7 @@ class GroupNorm(KeptNode, nn.Module):
     """
 
     __constants__ = ["num_groups", "num_channels", "eps", "affine"]
-    _rows_of_channels = True                          # (KeptNode: channels_last takes a node)
+    _rows_of_channels = True                          # (KeptPlan: channels_last takes a node)
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None,
                  dtype=None, *, bias=True):
@@ -147,7 +147,7 @@ class GroupNorm(KeptNode, nn.Module):
         return self.num_channels
 
     def _build(self, x):
-        """(node, None) of the plan for ``x`` (``KeptNode``), None for an input the full path
+        """(node, None) of the plan for ``x`` (``KeptPlan``), None for an input the full path
         must check (fewer than 2 dims, channels not num_channels)."""
         params = self._own_params()
         if (params is None or x.dim() < 2 or x.shape[1] != self.num_channels
@@ -155,11 +155,11 @@ class GroupNorm(KeptNode, nn.Module):
             return None
         grouping = F._group(x.shape, self.num_groups)
         if view_strides(x.shape, x.stride(), grouping.view) is None:
-            return None, None          # (channels_last strides that do not view as the groups)
-        return backends.plan(x, grouping, True, False).native, None
+            return None, None      # (channels_last strides that do not view as the groups)
+        return backends.plan(x, grouping, True, False), None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        y = self._affine_node_call(input)
+        y = self._affine_call(input)
         if y is not None:
             return y
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
@@ -169,7 +169,7 @@ class GroupNorm(KeptNode, nn.Module):
                 f"affine={self.affine}, bias={self.bias is not None}")
 
 
-class RMSNorm(KeptNode, nn.Module):
+class RMSNorm(KeptPlan, nn.Module):
     r"""Root-mean-square normalization (Zhang & Sennrich, 2019): LayerNorm without
     centering.
 
@@ -224,7 +224,7 @@ class RMSNorm(KeptNode, nn.Module):
         return math.prod(self.normalized_shape)
 
     def _build(self, x):
-        """(node, eps) of the plan for ``x`` (``KeptNode``; eps None: the dtype's), None
+        """(node, eps) of the plan for ``x`` (``KeptPlan``; eps None: the dtype's), None
         for an input the full path must check, or that it handles (an offset, a model's
         casting)."""
         k, shape = len(self.normalized_shape), self.normalized_shape
@@ -232,15 +232,14 @@ class RMSNorm(KeptNode, nn.Module):
         if (self.offset or self.casting != "torch" or x.dim() < k
                 or tuple(x.shape[x.dim() - k:]) != shape or (w is not None and w.shape != shape)):
             return None
-        node = backends.plan(x, F._layer(x.shape, k), False, False).native
-        return node, torch.finfo(x.dtype).eps
+        return backends.plan(x, F._layer(x.shape, k), False, False), torch.finfo(x.dtype).eps
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self._plain_call(input) and "weight" in self._parameters:
-            found = self._kept(input, "_node", self._build)
+            found = self._kept(input, "_plan", self._build)
             if found is not None:
                 eps = found[1] if self.eps is None else self.eps
-                y = self._call_node(input, found, eps, self._parameters["weight"], None,
+                y = self._call_plan(input, found, eps, self._parameters["weight"], None,
                                     self._param_count)
                 if y is not None:
                     return y
@@ -255,5 +254,5 @@ class RMSNorm(KeptNode, nn.Module):
 
 
 for _layer in (LayerNorm, GroupNorm, RMSNorm):
-    _layer._plain_classes = (_layer,)                 # exact classes keep a node: KeptNode
+    _layer._plain_classes = (_layer,)                 # exact classes keep a node: KeptPlan
 del _layer

@@ -1,15 +1,26 @@
-"""The kernels' entries by address: what the plans call.
+"""The kernels as the C++ node calls them: every argument named, one meaning per name.
 
-Each entry takes the tensors of one call as addresses (``address``), rebuilds them as
-arrays inside compiled code and runs the kernel of ``rows``, ``planes``, ``columns`` or
-``running`` of the same name over the range [lo, hi): the same kernel, without the
-microseconds per argument that converting tensors to NumPy arrays costs a Python call.
+The node (``native.cpp``) calls every kernel through one C signature, ``void(int64 *a,
+double eps)``. An entry's parameters (all but ``eps``, ``proto``, ``sproto``) are its
+declaration: each name is a slot of ``a`` (``normkit.backends.cpu.args.SLOTS``: a name
+means the same in every entry), and ``args.callback`` compiles the entry as a callback
+that reads ``a[slot]`` for each parameter, in order. The node fills the slots it owns
+(the tensors' addresses and the call's ``from_var``, ``stream``, ``stage``, ``lo``,
+``hi``); the plan fills the others by name from its attributes (``args.constants``), and
+a name missing on either side is an error when the plan is built.
 
-Conventions: ``at`` is a tuple of addresses in the order the docstring gives; ``proto``
-and ``sproto`` are empty arrays of the storage dtype (``half``: 16-bit floats as
-integers) and of the statistics dtype; statistics blocks are ``(3, units)`` (mean, rstd,
-var, each its own address, or 0 for statistics the caller does not keep; with fixed
-statistics ``var`` is never written and may be any address), sums blocks ``(2, ...)``.
+Tensors come as addresses of contiguous memory (``address.at`` rebuilds the arrays inside
+compiled code, for free); ``proto`` and ``sproto`` are empty arrays of the storage dtype
+(``half``: 16-bit floats as integers) and of the statistics dtype, constants of each
+callback. Statistics are ``(units,)``; an address 0 for ``mean``, ``rstd``, ``var``: the
+caller keeps none (the kernel's own memory). With fixed statistics ``var`` is never
+written; ``from_var``: ``rstd`` holds the variance, the rstd is computed from it.
+
+A call covers the work items ``[lo, hi)`` of its ``stage``. Entries with more than one
+stage (``args.Work``): stage 0 over its items in parallel, writing partial sums into
+``scratch``; stage 1 once, on one thread, merging them in order (so one thread and many
+give the same bits); stage 2 over its items in parallel. The scratch each needs, in bytes,
+is ``args.scratch_bytes``, its layout in the docstring of the entry.
 """
 
 from __future__ import annotations
@@ -19,51 +30,21 @@ from numba import njit
 from numba.extending import register_jitable
 
 from normkit.backends.cpu import channels_last as cl
-from normkit.backends.cpu import columns, planes, rows, running
+from normkit.backends.cpu import columns, planes, rows
 from normkit.backends.cpu.address import at as _at
 from normkit.backends.cpu.rows import JIT
 
 __all__ = ["rows_forward", "rows_backward", "channels_small", "channels_small_backward",
            "planes_small", "planes_small_backward", "channels_forward", "channels_backward",
-           "planes_forward", "planes_backward", "columns_forward", "columns_backward",
-           "cl_forward", "cl_backward", "param_sums", "running_update"]
+           "channels_fixed", "planes_forward", "planes_backward", "columns_forward",
+           "columns_backward", "cl_forward", "cl_backward"]
 
-
-@njit(**JIT)
-def rows_forward(at, m, k, proto, sproto, eps, center, out, lo, hi):
-    """at = (x, y: (M, K); w, b: (K,); mean, rstd, var: (M,))."""
-    x, y = _at(at[0], proto, (m, k)), _at(at[1], proto, (m, k))
-    w, b = _at(at[2], sproto, (k,)), _at(at[3], sproto, (k,))
-    stats = (_stat(at[4], sproto, m), _stat(at[5], sproto, m), _stat(at[6], sproto, m))
-    rows.rows_forward(x, y, w, b, eps, center, stats, out, lo, hi)
-
-
-@njit(**JIT)
-def rows_backward(at, m, k, chunks, proto, sproto, center, out, lo, hi):
-    """at = (g, x, dx: (M, K); w: (K,); mean, rstd: (M,); dw, db partials: (chunks, K)
-    each)."""
-    g, x, dx = _at(at[0], proto, (m, k)), _at(at[1], proto, (m, k)), _at(at[2], proto, (m, k))
-    w = _at(at[3], sproto, (k,))
-    mean, rstd = _at(at[4], sproto, (m,)), _at(at[5], sproto, (m,))
-    partials = (_at(at[6], sproto, (chunks, k)), _at(at[7], sproto, (chunks, k)))
-    rows.rows_backward(g, x, w, (mean, rstd), center, dx, partials, out, lo, hi)
-
-
-@register_jitable
-def _forward_arrays(at, ncs, units, proto, sproto, eps, from_var):
-    n, c, s = ncs
-    x, y = _at(at[0], proto, (n, c, s)), _at(at[1], proto, (n, c, s))
-    w, b = _at(at[2], sproto, (c,)), _at(at[3], sproto, (c,))
-    mean, rstd = _stat(at[4], sproto, units), _stat(at[5], sproto, units)
-    if from_var:   # fixed statistics given as (mean, var): rstd = 1 / sqrt(var + eps)
-        rstd = _rstd(rstd, eps)
-    return x, y, w, b, (mean, rstd, _stat(at[6], sproto, units))
+_F64 = np.empty(0, np.float64)
 
 
 @register_jitable
 def _stat(address, sproto, units):
-    """The (units,) statistics at ``address``, or scratch for address 0 (the caller
-    keeps no statistics)."""
+    """The (units,) statistics at ``address``, or scratch for address 0 (none kept)."""
     if address == 0:
         return np.empty(units, sproto.dtype)
     return _at(address, sproto, (units,))
@@ -80,226 +61,280 @@ def _rstd(var, eps):
 
 
 @register_jitable
-def _backward_arrays(at, ncs, units, proto, sproto):
-    n, c, s = ncs
-    g, x, dx = (_at(at[0], proto, (n, c, s)), _at(at[1], proto, (n, c, s)),
-                _at(at[2], proto, (n, c, s)))
-    w = _at(at[3], sproto, (c,))
-    mean, rstd = _at(at[4], sproto, (units,)), _at(at[5], sproto, (units,))
-    sums = _at(at[6], sproto, (2, n, c)) if at[6] != 0 else np.empty((2, n, c), sproto.dtype)
-    return g, x, dx, w, (mean, rstd), (sums[0], sums[1])
+def _given(mean, rstd, units, from_var, eps, sproto):
+    """Fixed statistics (mean, rstd) (units,) as the kernels read them."""
+    r = _at(rstd, sproto, (units,))
+    return _at(mean, sproto, (units,)), _rstd(r, eps) if from_var else r
+
+
+# ---- rows: LayerNorm / RMSNorm on (M, K) ------------------------------------------------
+
+@njit(**JIT)
+def rows_forward(x, y, w, b, mean, rstd, var, m, k, center, ahead, stream, lo, hi, eps,
+                 proto, sproto):
+    """The rows [lo, hi): x, y (M, K); w, b (K,); mean, rstd, var (M,) written."""
+    stats = (_stat(mean, sproto, m), _stat(rstd, sproto, m), _stat(var, sproto, m))
+    rows.rows_forward(_at(x, proto, (m, k)), _at(y, proto, (m, k)), _at(w, sproto, (k,)),
+                      _at(b, sproto, (k,)), eps, center != 0, stats, (stream != 0, ahead),
+                      lo, hi)
+
+
+@njit(**JIT)
+def rows_backward(g, x, dx, w, mean, rstd, dw, db, scratch, m, k, center, ahead, chunks,
+                  stream, stage, lo, hi, eps, proto, sproto):
+    """g, x, dx (M, K); mean, rstd (M,). Stage 0 over the chunks [lo, hi) of rows: dx, and
+    each chunk's sums of g * xhat and g in scratch (2, chunks, K) of the statistics dtype;
+    stage 1: dw, db (K,) their sums over the chunks, in order."""
+    sums = _at(scratch, sproto, (2, chunks, k))
+    if stage == 0:
+        sums[:, lo:hi] = 0
+        rows.rows_backward(_at(g, proto, (m, k)), _at(x, proto, (m, k)), _at(w, sproto, (k,)),
+                           (_at(mean, sproto, (m,)), _at(rstd, sproto, (m,))), center != 0,
+                           _at(dx, proto, (m, k)), (sums[0], sums[1]), (stream != 0, ahead),
+                           lo, hi)
+    else:
+        dwa, dba = _at(dw, sproto, (k,)), _at(db, sproto, (k,))
+        dwa[:] = sums[0, 0]
+        dba[:] = sums[1, 0]
+        for t in range(1, chunks):
+            dwa += sums[0, t]
+            dba += sums[1, t]
+
+
+# ---- planes: Batch/Instance/GroupNorm on NCHW (N, C, S) ----------------------------------
+# forward: the units [lo, hi), a channel (BatchNorm) or a (sample, group); statistics per
+# unit, read when fixed. backward stage 0: dx of the units, each plane's sums of g and
+# g * xhat in scratch (2, N, C) of the statistics dtype; stage 1: db, dw (C,) those sums
+# added over n in float64, in order.
+
+@register_jitable
+def _planes_in(x, y, w, b, mean, rstd, var, n, c, s, units, fixed, from_var, eps, proto,
+               sproto):
+    if fixed:
+        given_mean, given_rstd = _given(mean, rstd, units, from_var, eps, sproto)
+        stats = (given_mean, given_rstd, _stat(0, sproto, units))
+    else:
+        stats = (_stat(mean, sproto, units), _stat(rstd, sproto, units),
+                 _stat(var, sproto, units))
+    return (_at(x, proto, (n, c, s)), _at(y, proto, (n, c, s)), _at(w, sproto, (c,)),
+            _at(b, sproto, (c,)), stats)
+
+
+@njit(**JIT)
+def channels_small(x, y, w, b, mean, rstd, var, n, c, s, fixed, from_var, lo, hi, eps, proto,
+                   sproto):
+    xa, ya, wa, ba, stats = _planes_in(x, y, w, b, mean, rstd, var, n, c, s, c, fixed,
+                                       from_var, eps, proto, sproto)
+    planes.channels_small(xa, ya, wa, ba, eps, fixed != 0, stats, lo, hi)
+
+
+@njit(**JIT)
+def channels_forward(x, y, w, b, mean, rstd, var, n, c, s, fixed, from_var, block, stream, lo,
+                     hi, eps, proto, sproto):
+    xa, ya, wa, ba, stats = _planes_in(x, y, w, b, mean, rstd, var, n, c, s, c, fixed,
+                                       from_var, eps, proto, sproto)
+    planes.channels_forward(xa, ya, wa, ba, eps, block, fixed != 0, stats, stream != 0, lo,
+                            hi)
+
+
+@njit(**JIT)
+def channels_fixed(x, y, w, b, mean, rstd, var, n, c, s, from_var, small, ahead, stream, lo,
+                   hi, eps, proto, sproto):
+    """Eval BatchNorm over the N * C planes [lo, hi) in memory order."""
+    xa, ya, wa, ba, stats = _planes_in(x, y, w, b, mean, rstd, var, n, c, s, c, 1, from_var,
+                                       eps, proto, sproto)
+    planes.channels_fixed(xa, ya, wa, ba, stats, small != 0, (stream != 0, ahead), lo, hi)
+
+
+@njit(**JIT)
+def planes_small(x, y, w, b, mean, rstd, var, n, c, s, groups, fixed, from_var, lo, hi, eps,
+                 proto, sproto):
+    xa, ya, wa, ba, stats = _planes_in(x, y, w, b, mean, rstd, var, n, c, s, n * groups,
+                                       fixed, from_var, eps, proto, sproto)
+    planes.planes_small(xa, ya, wa, ba, eps, groups, fixed != 0, stats, lo, hi)
+
+
+@njit(**JIT)
+def planes_forward(x, y, w, b, mean, rstd, var, n, c, s, groups, fixed, from_var, ahead,
+                   stream, lo, hi, eps, proto, sproto):
+    xa, ya, wa, ba, stats = _planes_in(x, y, w, b, mean, rstd, var, n, c, s, n * groups,
+                                       fixed, from_var, eps, proto, sproto)
+    planes.planes_forward(xa, ya, wa, ba, eps, groups, fixed != 0, stats,
+                          (stream != 0, ahead), lo, hi)
 
 
 @register_jitable
-def _sum_planes(sums, db, dw):
-    """dbias, dweight (C,): each per-plane sum of ``sums = (sg, sgx)`` (N, C) added over n
-    in float64 (in the order n = 0, 1, ...), rounded once."""
-    for grad, per_plane in ((db, sums[0]), (dw, sums[1])):
-        for ch in range(per_plane.shape[1]):
+def _planes_back(g, x, dx, w, mean, rstd, scratch, n, c, s, units, proto, sproto):
+    sums = _at(scratch, sproto, (2, n, c))
+    return (_at(g, proto, (n, c, s)), _at(x, proto, (n, c, s)), _at(dx, proto, (n, c, s)),
+            _at(w, sproto, (c,)), (_at(mean, sproto, (units,)), _at(rstd, sproto, (units,))),
+            (sums[0], sums[1]))
+
+
+@register_jitable
+def _sum_planes(scratch, n, c, dw, db, sproto):
+    """Stage 1 of the planes backward: db, dw (C,) from the per-plane sums (2, N, C), each
+    added over n in float64 (in the order n = 0, 1, ...) and rounded once."""
+    sums = _at(scratch, sproto, (2, n, c))
+    for grad, per_plane in ((_at(db, sproto, (c,)), sums[0]), (_at(dw, sproto, (c,)), sums[1])):
+        for ch in range(c):
             total = 0.0
-            for i in range(per_plane.shape[0]):
+            for i in range(n):
                 total += np.float64(per_plane[i, ch])
             grad[ch] = total
 
 
-@register_jitable
-def _grads_here(at, sums, c, sproto):
-    """dbias, dweight at at[7], at[8] from this call's sums: a serial call covers every
-    plane (address 0: the plan adds them up with ``param_sums`` after its threads)."""
-    if at[7] != 0:
-        _sum_planes(sums, _at(at[7], sproto, (c,)), _at(at[8], sproto, (c,)))
-
-
-# forward: at = (x, y: (N, C, S); w, b: (C,); mean, rstd, var: (units,)), read when fixed;
-# from_var: at[5] holds the variance, rstd is computed from it
-# backward: at = (g, x, dx: (N, C, S); w: (C,); mean, rstd: (units,); sums: (2, N, C) or 0
-# for scratch; db, dw: (C,) written here, or 0 each)
+@njit(**JIT)
+def channels_small_backward(g, x, dx, w, mean, rstd, dw, db, scratch, n, c, s, center, fixed,
+                            stage, lo, hi, eps, proto, sproto):
+    if stage == 1:
+        _sum_planes(scratch, n, c, dw, db, sproto)
+        return
+    ga, xa, dxa, wa, stats, sums = _planes_back(g, x, dx, w, mean, rstd, scratch, n, c, s, c,
+                                                proto, sproto)
+    planes.channels_small_backward(ga, xa, wa, stats, center != 0, fixed != 0, dxa, sums, lo,
+                                   hi)
 
 
 @njit(**JIT)
-def channels_small(at, ncs, proto, sproto, eps, fixed, from_var, lo, hi):
-    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[1], proto, sproto, eps, from_var)
-    planes.channels_small(x, y, w, b, eps, fixed, stats, lo, hi)
+def channels_backward(g, x, dx, w, mean, rstd, dw, db, scratch, n, c, s, block_bwd, center,
+                      fixed, stream, stage, lo, hi, eps, proto, sproto):
+    if stage == 1:
+        _sum_planes(scratch, n, c, dw, db, sproto)
+        return
+    ga, xa, dxa, wa, stats, sums = _planes_back(g, x, dx, w, mean, rstd, scratch, n, c, s, c,
+                                                proto, sproto)
+    planes.channels_backward(ga, xa, wa, stats, block_bwd, center != 0, fixed != 0, dxa, sums,
+                             stream != 0, lo, hi)
 
 
 @njit(**JIT)
-def channels_forward(at, ncs, proto, sproto, eps, fixed, from_var, block, stream, lo, hi):
-    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[1], proto, sproto, eps, from_var)
-    planes.channels_forward(x, y, w, b, eps, block, fixed, stats, stream, lo, hi)
+def planes_small_backward(g, x, dx, w, mean, rstd, dw, db, scratch, n, c, s, groups, center,
+                          fixed, stage, lo, hi, eps, proto, sproto):
+    if stage == 1:
+        _sum_planes(scratch, n, c, dw, db, sproto)
+        return
+    ga, xa, dxa, wa, stats, sums = _planes_back(g, x, dx, w, mean, rstd, scratch, n, c, s,
+                                                n * groups, proto, sproto)
+    planes.planes_small_backward(ga, xa, wa, stats, groups, center != 0, fixed != 0, dxa, sums,
+                                 lo, hi)
 
 
 @njit(**JIT)
-def channels_fixed(at, ncs, proto, sproto, eps, from_var, small, out, lo, hi):
-    """Eval BatchNorm over the N * C planes (``planes.channels_fixed``)."""
-    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[1], proto, sproto, eps, from_var)
-    planes.channels_fixed(x, y, w, b, stats, small, out, lo, hi)
+def planes_backward(g, x, dx, w, mean, rstd, dw, db, scratch, n, c, s, groups, center, fixed,
+                    ahead, stream, stage, lo, hi, eps, proto, sproto):
+    if stage == 1:
+        _sum_planes(scratch, n, c, dw, db, sproto)
+        return
+    ga, xa, dxa, wa, stats, sums = _planes_back(g, x, dx, w, mean, rstd, scratch, n, c, s,
+                                                n * groups, proto, sproto)
+    planes.planes_backward(ga, xa, wa, stats, groups, center != 0, fixed != 0, dxa, sums,
+                           (stream != 0, ahead), lo, hi)
 
 
-@njit(**JIT)
-def planes_small(at, ncs, groups, proto, sproto, eps, fixed, from_var, lo, hi):
-    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[0] * groups, proto, sproto, eps,
-                                        from_var)
-    planes.planes_small(x, y, w, b, eps, groups, fixed, stats, lo, hi)
-
-
-@njit(**JIT)
-def planes_forward(at, ncs, groups, proto, sproto, eps, fixed, from_var, out, lo, hi):
-    x, y, w, b, stats = _forward_arrays(at, ncs, ncs[0] * groups, proto, sproto, eps,
-                                        from_var)
-    planes.planes_forward(x, y, w, b, eps, groups, fixed, stats, out, lo, hi)
-
-
-@njit(**JIT)
-def channels_small_backward(at, ncs, proto, sproto, center, fixed, lo, hi):
-    g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[1], proto, sproto)
-    planes.channels_small_backward(g, x, w, stats, center, fixed, dx, sums, lo, hi)
-    _grads_here(at, sums, ncs[1], sproto)
-
-
-@njit(**JIT)
-def channels_backward(at, ncs, proto, sproto, block, center, fixed, stream, lo, hi):
-    g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[1], proto, sproto)
-    planes.channels_backward(g, x, w, stats, block, center, fixed, dx, sums, stream, lo, hi)
-    _grads_here(at, sums, ncs[1], sproto)
-
-
-@njit(**JIT)
-def planes_small_backward(at, ncs, groups, proto, sproto, center, fixed, lo, hi):
-    g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[0] * groups, proto, sproto)
-    planes.planes_small_backward(g, x, w, stats, groups, center, fixed, dx, sums, lo, hi)
-    _grads_here(at, sums, ncs[1], sproto)
-
-
-@njit(**JIT)
-def planes_backward(at, ncs, groups, proto, sproto, center, fixed, out, lo, hi):
-    g, x, dx, w, stats, sums = _backward_arrays(at, ncs, ncs[0] * groups, proto, sproto)
-    planes.planes_backward(g, x, w, stats, groups, center, fixed, dx, sums, out, lo, hi)
-    _grads_here(at, sums, ncs[1], sproto)
-
-
-# columns (``columns``): x as M rows of C channels, flat, in chunks of rows; each direction
-# in stages (stage 0 over the chunks [lo, hi), 1 on one thread, 2 over the rows [lo, hi));
-# sums: (2, chunks, C) float64 scratch; mcr = (M, C, rows per chunk, run). forward at =
-# (x, y; w, b; mean, rstd, var: (C,), read when fixed (stage 2 alone), else written in
-# stage 1; sums); backward at = (g, x, dx; w; mean, rstd; dw, db: (C,) written in stage 1;
-# sums)
-
+# ---- columns: BatchNorm on an (M, C) matrix of rows of channels (``columns``) -------------
+# x flat (M * C), in chunks of ``rows`` rows (runs of ``run``); scratch (2, chunks, C)
+# float64. Forward: stage 0 over the chunks (moments), 1 (merged: mean, rstd, var (C,)
+# written), 2 over the rows (y); with fixed statistics stage 2 alone. Backward: stage 0
+# (sums of g and g * xhat), 1 (dw, db (C,) written), 2 over the rows (dx).
 
 @register_jitable
-def _columns_sums(address, mcr):
-    m, c, rows, _ = mcr
-    sums = _at(address, np.empty(0, np.float64), (2, -(-m // rows), c))
+def _columns_sums(scratch, m, c, rows_):
+    sums = _at(scratch, _F64, (2, -(-m // rows_), c))
     return sums[0], sums[1]
 
 
 @njit(**JIT)
-def columns_forward(at, mcr, proto, sproto, eps, from_var, stream, stage, lo, hi):
-    m, c, rows, run = mcr
-    x = _at(at[0], proto, (m * c,))
-    mean, rstd = _at(at[4], sproto, (c,)), _at(at[5], sproto, (c,))
+def columns_forward(x, y, w, b, mean, rstd, var, scratch, m, c, rows, run, from_var, stream,
+                    stage, lo, hi, eps, proto, sproto):
+    xa = _at(x, proto, (m * c,))
     if stage == 0:
-        columns.chunk_moments(x, c, (rows, run), sproto, _columns_sums(at[7], mcr), lo, hi)
+        columns.chunk_moments(xa, c, (rows, run), sproto, _columns_sums(scratch, m, c, rows),
+                              lo, hi)
     elif stage == 1:
-        columns.merge_moments(_columns_sums(at[7], mcr), rows, m, eps,
-                              (mean, rstd, _at(at[6], sproto, (c,))))
+        columns.merge_moments(_columns_sums(scratch, m, c, rows), rows, m, eps,
+                              (_at(mean, sproto, (c,)), _at(rstd, sproto, (c,)),
+                               _at(var, sproto, (c,))))
     else:
-        if from_var:    # given statistics as (mean, var): rstd = 1 / sqrt(var + eps)
-            rstd = _rstd(rstd, eps)
-        columns.apply_rows(x, _at(at[1], proto, (m * c,)), _at(at[2], sproto, (c,)),
-                           _at(at[3], sproto, (c,)), (mean, rstd), stream, lo, hi)
+        columns.apply_rows(xa, _at(y, proto, (m * c,)), _at(w, sproto, (c,)),
+                           _at(b, sproto, (c,)), _given(mean, rstd, c, from_var, eps, sproto),
+                           stream != 0, lo, hi)
 
 
 @njit(**JIT)
-def columns_backward(at, mcr, proto, sproto, center, fixed, stream, stage, lo, hi):
-    m, c, rows, run = mcr
-    g, x = _at(at[0], proto, (m * c,)), _at(at[1], proto, (m * c,))
-    w = _at(at[3], sproto, (c,))
-    stats = (_at(at[4], sproto, (c,)), _at(at[5], sproto, (c,)))
-    sums = _columns_sums(at[8], mcr)
+def columns_backward(g, x, dx, w, mean, rstd, dw, db, scratch, m, c, rows, run, center, fixed,
+                     stream, stage, lo, hi, eps, proto, sproto):
+    ga, xa = _at(g, proto, (m * c,)), _at(x, proto, (m * c,))
+    wa = _at(w, sproto, (c,))
+    stats = (_at(mean, sproto, (c,)), _at(rstd, sproto, (c,)))
+    sums = _columns_sums(scratch, m, c, rows)
     if stage == 0:
-        columns.chunk_grad_sums(g, x, stats, (rows, run), sums, lo, hi)
+        columns.chunk_grad_sums(ga, xa, stats, (rows, run), sums, lo, hi)
     elif stage == 1:
-        columns.merge_grad_sums(sums, m, w, center, fixed,
-                                (_at(at[6], sproto, (c,)), _at(at[7], sproto, (c,))))
+        columns.merge_grad_sums(sums, m, wa, center != 0, fixed != 0,
+                                (_at(dw, sproto, (c,)), _at(db, sproto, (c,))))
     else:
-        columns.dx_rows(g, x, w, stats, sums, _at(at[2], proto, (m * c,)), stream, lo, hi)
+        columns.dx_rows(ga, xa, wa, stats, sums, _at(dx, proto, (m * c,)), stream != 0, lo, hi)
 
 
-# channels_last Instance/GroupNorm (``channels_last``) in the same three stages, for the C++
-# node: at as the columns', dims = (N, C, S, parts), unit = (sn, cg) (statistics of N * sn
-# units); the scratch: the per-range partials (2, N, parts, C) float64, then (4, N, C) of
-# the statistics dtype (the coefficients per (n, c))
-
+# ---- channels_last Instance/GroupNorm (``channels_last``), viewed (N, S * C) -------------
+# The items are (sample, range of positions), ``parts`` ranges per sample; statistics per
+# unit u = n * sn + c // cg (N * sn units). Scratch: the per-range partials (2, N, parts,
+# C) float64, then (4, N, C) of the statistics dtype (coefficients per (n, c)).
+# Forward: stage 0 (partial moments), 1 (statistics and coefficients), 2 (y); with fixed
+# statistics stages 1 (coefficients) and 2; ``per_sample``: stage 0 over the samples is
+# the whole call (a sample's statistics, then the sample). Backward: stage 0 (partial
+# sums), 1 (dw, db and coefficients), 2 (dx).
 
 @register_jitable
-def _cl_scratch(address, dims, sproto):
-    n, c, s, parts = dims
-    partials = _at(address, np.empty(0, np.float64), (2, n, parts, c))
-    per_nc = _at(address + 16 * n * parts * c, sproto, (4, n, c))
+def _cl_scratch(scratch, n, c, parts, sproto):
+    partials = _at(scratch, _F64, (2, n, parts, c))
+    per_nc = _at(scratch + 16 * n * parts * c, sproto, (4, n, c))
     return (partials[0], partials[1]), per_nc
 
 
 @njit(**JIT)
-def cl_forward(at, dims, blocks, unit, proto, sproto, eps, per_sample, stage, lo, hi):
-    n, c, s, parts = dims
-    x = _at(at[0], proto, (n, s * c))
-    if per_sample:          # stage 0 over the samples is the whole call
-        u = n * unit[0]
-        cl.cl_sample_forward(x, _at(at[1], proto, (n, s * c)), _at(at[2], sproto, (c,)),
-                             _at(at[3], sproto, (c,)), eps, c, unit[0], blocks,
-                             (_at(at[4], sproto, (u,)), _at(at[5], sproto, (u,)),
-                              _at(at[6], sproto, (u,))), False, lo, hi)
+def cl_forward(x, y, w, b, mean, rstd, var, scratch, n, c, s, parts, rows, run, sn, cg,
+               per_sample, fixed, from_var, stream, stage, lo, hi, eps, proto, sproto):
+    xa, ya = _at(x, proto, (n, s * c)), _at(y, proto, (n, s * c))
+    wa, ba = _at(w, sproto, (c,)), _at(b, sproto, (c,))
+    u = n * sn
+    if per_sample:
+        cl.cl_sample_forward(xa, ya, wa, ba, eps, c, sn, (rows, run),
+                             (_stat(mean, sproto, u), _stat(rstd, sproto, u),
+                              _stat(var, sproto, u)), stream != 0, lo, hi)
         return
-    partials, per_nc = _cl_scratch(at[7], dims, sproto)
+    partials, per_nc = _cl_scratch(scratch, n, c, parts, sproto)
     coefs = (per_nc[0], per_nc[1], per_nc[2])                       # mean, scale, shift
     if stage == 0:
-        cl.nc_moments(x, c, parts, blocks, sproto, partials, lo, hi)
+        cl.nc_moments(xa, c, parts, (rows, run), sproto, partials, lo, hi)
+    elif stage == 1 and fixed:
+        cl.nc_coefs_fixed(_given(mean, rstd, u, from_var, eps, sproto), (sn, cg), wa, ba, coefs)
     elif stage == 1:
-        u = n * unit[0]
-        stats = (_at(at[4], sproto, (u,)), _at(at[5], sproto, (u,)), _at(at[6], sproto, (u,)))
-        cl.nc_stats(partials, s, unit, eps, _at(at[2], sproto, (c,)), _at(at[3], sproto, (c,)),
-                    stats, coefs)
+        cl.nc_stats(partials, s, (sn, cg), eps, wa, ba,
+                    (_stat(mean, sproto, u), _stat(rstd, sproto, u), _stat(var, sproto, u)),
+                    coefs)
     else:
-        cl.nc_apply(x, _at(at[1], proto, (n, s * c)), c, parts, coefs, False, lo, hi)
+        cl.nc_apply(xa, ya, c, parts, coefs, stream != 0, lo, hi)
 
 
 @njit(**JIT)
-def cl_backward(at, dims, blocks, unit, count, proto, sproto, center, fixed, stage, lo, hi):
-    n, c, s, parts = dims
-    g, x = _at(at[0], proto, (n, s * c)), _at(at[1], proto, (n, s * c))
-    u = n * unit[0]
-    mean, rstd = _at(at[4], sproto, (u,)), _at(at[5], sproto, (u,))
-    partials, per_nc = _cl_scratch(at[8], dims, sproto)
+def cl_backward(g, x, dx, w, mean, rstd, dw, db, scratch, n, c, s, parts, rows, run, sn, cg,
+                count, center, fixed, stream, stage, lo, hi, eps, proto, sproto):
+    ga, xa = _at(g, proto, (n, s * c)), _at(x, proto, (n, s * c))
+    u = n * sn
+    mean_u, rstd_u = _at(mean, sproto, (u,)), _at(rstd, sproto, (u,))
+    partials, per_nc = _cl_scratch(scratch, n, c, parts, sproto)
     if stage == 0:          # (each range expands the statistics per (n, c) for itself)
         stats_nc = (np.empty((n, c), sproto.dtype), np.empty((n, c), sproto.dtype))
-        cl.nc_expand(mean, unit, stats_nc[0])
-        cl.nc_expand(rstd, unit, stats_nc[1])
-        cl.nc_grad_sums(g, x, c, parts, blocks, stats_nc, partials, lo, hi)
+        cl.nc_expand(mean_u, (sn, cg), stats_nc[0])
+        cl.nc_expand(rstd_u, (sn, cg), stats_nc[1])
+        cl.nc_grad_sums(ga, xa, c, parts, (rows, run), stats_nc, partials, lo, hi)
     elif stage == 1:
-        cl.nc_grad_coefs(partials, rstd, _at(at[3], sproto, (c,)), unit, count, center, fixed,
-                         (per_nc[1], per_nc[2], per_nc[3]),
-                         (_at(at[6], sproto, (c,)), _at(at[7], sproto, (c,))))
-        cl.nc_expand(mean, unit, per_nc[0])
+        cl.nc_grad_coefs(partials, rstd_u, _at(w, sproto, (c,)), (sn, cg), float(count),
+                         center != 0, fixed != 0, (per_nc[1], per_nc[2], per_nc[3]),
+                         (_at(dw, sproto, (c,)), _at(db, sproto, (c,))))
+        cl.nc_expand(mean_u, (sn, cg), per_nc[0])
     else:
-        cl.nc_grad_apply(g, x, _at(at[2], proto, (n, s * c)), c, parts,
-                         (per_nc[0], per_nc[1], per_nc[2], per_nc[3]), False, lo, hi)
-
-
-@njit(**JIT)
-def param_sums(at, n, c, sproto):
-    """at = (sums: (2, N, C), dbias, dweight: (C,)): ``_sum_planes`` after a threaded
-    backward."""
-    sums = _at(at[0], sproto, (2, n, c))
-    _sum_planes((sums[0], sums[1]), _at(at[1], sproto, (c,)), _at(at[2], sproto, (c,)))
-
-
-@njit(**JIT)
-def running_update(at, c, proto, keep, momentum, unbias):
-    """at = (running_mean, running_var, mean, var), each (C,) of ``proto``'s dtype; the
-    scalars come as Python floats (typing a NumPy scalar argument costs microseconds) and
-    are rounded to that dtype here."""
-    values = (_at(at[2], proto, (c,)), _at(at[3], proto, (c,)))
-    buffers = (_at(at[0], proto, (c,)), _at(at[1], proto, (c,)))
-    st = proto.dtype.type
-    running.running_update(buffers, values, st(keep), st(momentum), st(unbias),
-                           np.empty(c, proto.dtype))
+        cl.nc_grad_apply(ga, xa, _at(dx, proto, (n, s * c)), c, parts,
+                         (per_nc[0], per_nc[1], per_nc[2], per_nc[3]), stream != 0, lo, hi)

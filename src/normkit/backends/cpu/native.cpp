@@ -1,42 +1,35 @@
-// normkit's small-call path in C++: a normalization as a torch::autograd::Function whose
-// forward and backward allocate with ATen and run normkit's numba kernels, compiled as
-// C callbacks (numba cfuncs, see native.py) and called through their addresses.
+// normkit's CPU executor: every call that runs normkit's kernels on the CPU is a call of a
+// Plan here. A Plan holds what plans.py decided once per shape (native.py builds it): the
+// two kernels (numba cfuncs, see args.py), their constant arguments, how each direction
+// runs in stages and the scratch it needs, the statistics' shape and dtype, the defaults
+// for a missing weight or bias, and the grouping, for the double backward. Its forward and
+// backward allocate with ATen and run the kernels with no Python in between; apply does
+// the same behind a torch::autograd::Function (NormNode).
 //
-// Why: on a small tensor a call's cost is the Python around the kernel, most of it the
-// Python autograd.Function (docs/performance.md, "A C++ autograd node, measured"). Here the
-// node, the allocation and the launch cost what torch's own ops cost.
+// Kernel arguments: one int64 array `a` (and eps, a double), one slot per argument name,
+// the same in every kernel (args.SLOTS, handed over by set_slots when the extension is
+// loaded). The plan's constants are its `base` array; a call fills the tensors' addresses
+// (contiguous memory; a statistics address 0: none kept, the kernel's own scratch), the
+// call's flags (from_var: fixed statistics given as a variance; stream: non-temporal
+// stores, for a large output whose memory is mapped), the stage and the range [lo, hi)
+// of work items.
 //
-// A Plan holds what native.py decided once per shape (plans.py's plan of the same input):
-// the two kernels and their constant arguments, the statistics' shape and dtype, the
-// defaults for a missing weight or bias, and the grouping, for the double backward.
-//
-// Kernel arguments, an int64 array (and eps, a double):
-//   forward:  x, y, w, b, mean, rstd, var, from_var, <forward constants>
-//   backward: g, x, dx, w, mean, rstd, dw, db, <backward constants>
-// (addresses of contiguous memory; a statistics address 0: the kernel's own scratch;
-// from_var: the fixed statistics are a mean and a variance, rstd computed in the kernel),
-// and in the last four slots: the stage of a staged family (stages 0, 1, 2: columns.py),
-// the address of a threaded backward's partial sums or a staged family's scratch (0:
-// none), and the range [lo, hi) of work items the call covers.
-//
-// A plan of several threads splits the work items into contiguous ranges, as the Python
-// plan's launch does (the same ranges), and runs them in a parallel region of torch's own
-// OpenMP runtime (GOMP_parallel, its address handed over by native.py from _parallel.py),
-// with no Python callback per thread. (at::parallel_for is no use here: its OpenMP region
-// is a pragma in a header, which would bind this extension to a second OpenMP runtime.)
-// Its backward writes per-range partial sums of the parameter gradients, added up here
-// after the threads:
-//   rows:   dw, db partials (chunks, K), summed over the chunks with at::sum;
-//   planes: (2, N, C) per-plane sums, added over n in float64 in order (entries.param_sums).
-// The staged families (columns: BatchNorm on channels_last and (N, C); channels_last:
-// Instance/GroupNorm) run every call in stages instead, each a kernel call of its own over
-// its work items (run_stages): their partial sums, merged on one thread in stage 1, live
-// in the node's scratch. (Instance/GroupNorm's forward with a sample per thread or more
-// is stage 0 alone: a sample's statistics, then the sample, per work item.)
+// A direction runs in up to three stages (Work; entries.py): stage 0 over its work items,
+// stage 1 once on this thread (merging stage 0's partial sums, in order, from the call's
+// scratch), stage 2 over its work items. A stage's items are split into contiguous ranges,
+// min(threads, items) of them, run in a parallel region of torch's own OpenMP runtime
+// (GOMP_parallel, its address handed over by native.py from _parallel.py), with no Python
+// callback per thread. (at::parallel_for is no use here: its OpenMP region is a pragma in
+// a header, which would bind this extension to a second OpenMP runtime.) Without that
+// runtime (after a fork, or a build of torch without OpenMP) the ranges run one after the
+// other on this thread.
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <pthread.h>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 namespace {
 
@@ -46,14 +39,36 @@ using Tensor = at::Tensor;
 
 typedef void (*kernel_fn)(int64_t*, double);
 
-constexpr int kAddresses = 8;   // slots before the constants, either direction
-constexpr int kMaxArgs = 24;
-constexpr int kStage = kMaxArgs - 4, kSums = kMaxArgs - 3, kLo = kMaxArgs - 2,
-              kHi = kMaxArgs - 1;
+constexpr int64_t kMaxSlots = 64;
 
-// how a threaded backward leaves its parameter gradients; kStaged: a staged family
-// (columns, channels_last), whose every call runs in stages (scratch in a[kSums])
-enum Partials : int64_t { kNone = 0, kRowChunks = 1, kPlaneSums = 2, kStaged = 3 };
+// the slots the node fills, by name (args.SLOTS); -1 until set_slots
+struct Slots {
+  int64_t x = -1, y = -1, w = -1, b = -1, mean = -1, rstd = -1, var = -1, g = -1, dx = -1,
+          dw = -1, db = -1, scratch = -1, from_var = -1, stream = -1, stage = -1, lo = -1,
+          hi = -1;
+  int64_t count = 0;
+} slot;
+
+void set_slots(const std::map<std::string, int64_t>& table) {
+  std::map<std::string, int64_t*> mine = {
+      {"x", &slot.x}, {"y", &slot.y}, {"w", &slot.w}, {"b", &slot.b}, {"mean", &slot.mean},
+      {"rstd", &slot.rstd}, {"var", &slot.var}, {"g", &slot.g}, {"dx", &slot.dx},
+      {"dw", &slot.dw}, {"db", &slot.db}, {"scratch", &slot.scratch},
+      {"from_var", &slot.from_var}, {"stream", &slot.stream}, {"stage", &slot.stage},
+      {"lo", &slot.lo}, {"hi", &slot.hi}};
+  for (auto& [name, where] : mine) {
+    auto found = table.find(name);
+    TORCH_CHECK(found != table.end(), "normkit native: the argument table (args.SLOTS) has "
+                "no slot '", name, "', which the C++ node fills; rebuild the extension "
+                "from the installed sources");
+    *where = found->second;
+  }
+  slot.count = static_cast<int64_t>(table.size());
+  for (auto& [name, index] : table)
+    TORCH_CHECK(index >= 0 && index < slot.count && slot.count <= kMaxSlots,
+                "normkit native: slot ", index, " of '", name, "' outside 0..", slot.count - 1,
+                " (at most ", kMaxSlots, " slots)");
+}
 
 // torch's OpenMP runtime (set_team; none after a fork: GNU OpenMP is not fork-safe)
 typedef void (*region_fn)(void*);
@@ -81,9 +96,9 @@ struct Region {
   int64_t units, step, ranges;
 
   void range(int64_t r) const {
-    int64_t own[kMaxArgs];
-    std::copy(args, args + kMaxArgs, own);
-    own[kLo] = r * step, own[kHi] = std::min(units, (r + 1) * step);
+    int64_t own[kMaxSlots];
+    std::copy(args, args + slot.count, own);
+    own[slot.lo] = r * step, own[slot.hi] = std::min(units, (r + 1) * step);
     kernel(own, eps);
   }
 
@@ -95,11 +110,46 @@ struct Region {
   }
 };
 
+// how one direction runs (args.Work): stage 0 over `first` items, stage 1 once where
+// `merge`, stage 2 over `last` items; `scratch` bytes per call
+struct Work {
+  int64_t first = 0, last = 0, scratch = 0;
+  bool merge = false;
+};
+
+Work work_of(const std::vector<int64_t>& w) {
+  TORCH_CHECK(w.size() == 4, "normkit native plan: work is (first, merge, last, scratch), "
+              "got ", w.size(), " numbers");
+  Work out;
+  out.first = w[0], out.merge = w[1] != 0, out.last = w[2], out.scratch = w[3];
+  return out;
+}
+
+// glibc's new mappings fault in zeroed pages; streaming stores pay only where the memory
+// is already there (tuning.stream_out): the last page, as _memory.resident asks
+bool resident(const Tensor& t) {
+  static const int64_t page = sysconf(_SC_PAGESIZE);
+  int64_t nbytes = t.numel() * t.element_size();
+  if (nbytes == 0) return false;
+  uintptr_t last = (reinterpret_cast<uintptr_t>(t.data_ptr()) + nbytes - 1) / page * page;
+  unsigned char vec = 0;
+  return mincore(reinterpret_cast<void*>(last), page, &vec) == 0 && (vec & 1);
+}
+
+// a large new output's 2 MiB-aligned interior advised MADV_HUGEPAGE (_memory.empty_like)
+void advise_huge(const Tensor& t) {
+  constexpr uintptr_t huge = 1 << 21;
+  uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
+  uintptr_t lo = (start + huge - 1) / huge * huge;
+  uintptr_t hi = (start + t.numel() * t.element_size()) / huge * huge;
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+}
+
 struct Plan : torch::CustomClassHolder {
   kernel_fn forward_kernel = nullptr, backward_kernel = nullptr;
-  std::vector<int64_t> forward_consts, backward_consts, stat_shape;
+  std::vector<int64_t> base, stat_shape;   // the constants' argument array; statistics shape
+  Work forward_work, backward_work;
   Tensor ones, zeros;           // weight, bias when None: (params,) of the statistics dtype
-  bool zero_grads = false;      // the backward kernel adds into dw, db (rows): zero them
   // the grouping, as torch.ops.normkit.norm_backward takes it (double backward)
   std::string kind;
   std::vector<int64_t> view, reduce;
@@ -108,17 +158,15 @@ struct Plan : torch::CustomClassHolder {
   at::ScalarType dtype = at::kFloat;   // the input's, and its number of elements
   int64_t numel = 0;
   int64_t stat_count = 1;              // elements of stat_shape
-  // work items of each kernel, the threads they are split over, and how a threaded
-  // backward leaves its parameter gradients (Partials; partial_rows: chunks, or N)
-  int64_t forward_units = 1, backward_units = 1, threads = 1;
-  int64_t partials = kNone, partial_rows = 0;
-  int64_t stage_units = 0;      // a staged plan's work items in stage 0 (backward)
-  int64_t forward_stage_units = 0;   // (forward)
+  int64_t threads = 1;
+  bool rows_of_channels = false;       // the kernels read channels_last memory
+  bool huge = false;                   // outputs advised huge pages
+  int64_t stream_bytes = 0;            // outputs from this size may stream (0: never),
+  bool stream_fresh = false;           // freshly mapped ones too (tuning.stream_bytes)
 
   at::ScalarType sdtype() const { return ones.scalar_type(); }
 
-  // a weight or bias as contiguous memory of the statistics dtype; one of another size or
-  // device is refused (a caller that keeps the plan across calls may pass one)
+  // a weight or bias as contiguous memory of the statistics dtype
   Tensor param(const Tensor& p, const Tensor& fallback) const {
     if (!p.defined()) return fallback;
     TORCH_CHECK(p.numel() == ones.numel() && p.device().is_cpu(),
@@ -139,22 +187,23 @@ struct Plan : torch::CustomClassHolder {
     return t;
   }
 
-  // a kernel's argument array: the addresses, then the plan's constants
-  void args(int64_t* a, std::initializer_list<int64_t> addresses,
-            const std::vector<int64_t>& consts) const {
-    int64_t i = 0;
-    for (int64_t v : addresses) a[i++] = v;
-    for (int64_t v : consts) a[i++] = v;
-    a[kSums] = 0, a[kStage] = 0;
+  Tensor empty_like(const Tensor& x) const {
+    Tensor out = at::empty_like(x);
+    if (huge) advise_huge(out);
+    return out;
+  }
+
+  bool stream(const Tensor& out) const {
+    return stream_bytes > 0 && out.numel() * out.element_size() >= stream_bytes &&
+           (stream_fresh || resident(out));
   }
 
   // the kernel over [0, units): on this thread, or in min(threads, units) contiguous
-  // ranges on torch's team (each with its own copy of the arguments; one after the other
-  // where there is no team, after a fork)
+  // ranges on torch's team (each with its own copy of the arguments)
   void run(kernel_fn kernel, int64_t* a, double eps, int64_t units) const {
     int64_t n = std::min(threads, units);
     if (n <= 1) {
-      a[kLo] = 0, a[kHi] = units;
+      a[slot.lo] = 0, a[slot.hi] = units;
       kernel(a, eps);
       return;
     }
@@ -172,43 +221,25 @@ struct Plan : torch::CustomClassHolder {
     }
   }
 
-  bool threaded_backward() const { return threads > 1 && backward_units > 1; }
-
-  bool staged() const { return partials == kStaged; }
-
-  // a staged family's scratch: (2, partial_rows, params) float64
-  Tensor stage_sums() const {
-    return at::empty({2, partial_rows, ones.numel()}, ones.options().dtype(at::kDouble));
-  }
-
-  // stages 0 (over `first` items), 1 (one call, on this thread) and 2 (over `units`);
-  // units 0: stage 0 is the whole call (channels_last forward, a sample per item)
-  void run_stages(kernel_fn kernel, int64_t* a, double eps, int64_t first,
-                  int64_t units) const {
-    a[kStage] = 0;
-    run(kernel, a, eps, first);
-    if (units == 0) return;
-    a[kStage] = 1, a[kLo] = 0, a[kHi] = 1;
-    kernel(a, eps);
-    a[kStage] = 2;
-    run(kernel, a, eps, units);
+  // one direction's stages, with its scratch
+  void run_stages(kernel_fn kernel, int64_t* a, double eps, const Work& work) const {
+    Tensor scratch;
+    if (work.scratch > 0) scratch = at::empty({work.scratch}, ones.options().dtype(at::kByte));
+    a[slot.scratch] = scratch.defined() ? reinterpret_cast<int64_t>(scratch.data_ptr()) : 0;
+    if (work.first > 0) {
+      a[slot.stage] = 0;
+      run(kernel, a, eps, work.first);
+    }
+    if (work.merge) {
+      a[slot.stage] = 1, a[slot.lo] = 0, a[slot.hi] = 1;
+      kernel(a, eps);
+    }
+    if (work.last > 0) {
+      a[slot.stage] = 2;
+      run(kernel, a, eps, work.last);
+    }
   }
 };
-
-// dbias, dweight (C,) from a threaded planes backward's (2, N, C) sums: each added over n
-// in float64, in order, and rounded once (as entries.param_sums)
-template <typename T>
-void sum_planes(const T* sums, T* db, T* dw, int64_t n, int64_t c) {
-  for (int64_t ch = 0; ch < c; ++ch) {
-    double sg = 0.0, sgx = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-      sg += static_cast<double>(sums[i * c + ch]);
-      sgx += static_cast<double>(sums[(n + i) * c + ch]);
-    }
-    db[ch] = static_cast<T>(sg);
-    dw[ch] = static_cast<T>(sgx);
-  }
-}
 
 int64_t address(const Tensor& t) {
   return t.defined() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0;
@@ -235,19 +266,19 @@ bool rows_of_channels(const Tensor& x, int64_t n, int64_t c, int64_t s) {
 }
 
 // the kernels trust the plan's sizes, dtype and memory layout (contiguous; rows of
-// channels for a staged plan: columns, channels_last): a tensor of another is refused here
+// channels for the columns and channels_last families): a tensor of another is refused
 void check_input(const Plan& p, const Tensor& x) {
-  bool layout = p.staged() ? rows_of_channels(x, p.view.front(), p.numel / (p.view.front() *
-                                                                       p.view.back()),
-                                               p.view.back())
-                            : x.is_contiguous();
+  bool layout = p.rows_of_channels
+                    ? rows_of_channels(x, p.view.front(),
+                                       p.numel / (p.view.front() * p.view.back()), p.view.back())
+                    : x.is_contiguous();
   TORCH_CHECK(layout && x.device().is_cpu() && x.scalar_type() == p.dtype &&
                   x.numel() == p.numel,
               "normkit native plan: built for a ",
-              p.staged() ? "channels_last (rows of channels)" : "contiguous", " CPU tensor of ",
-              p.numel, " ", c10::toString(p.dtype), " elements, got sizes ", x.sizes(),
-              ", strides ", x.strides(), ", ", c10::toString(x.scalar_type()), "; take the "
-              "plan of this input from normkit.backends.plan");
+              p.rows_of_channels ? "channels_last (rows of channels)" : "contiguous",
+              " CPU tensor of ", p.numel, " ", c10::toString(p.dtype), " elements, got sizes ",
+              x.sizes(), ", strides ", x.strides(), ", ", c10::toString(x.scalar_type()),
+              "; take the plan of this input from normkit.backends.plan");
 }
 
 // the incoming gradient laid out as x (whose layout the plan's kernels read)
@@ -256,8 +287,8 @@ Tensor like_input(const Tensor& grad, const Tensor& x) {
   return at::empty_like(x).copy_(grad);
 }
 
-// BatchNorm's running statistics in place, as normkit.backends.cpu.running does it (the
-// same operations in the same order, in the buffers' dtype):
+// BatchNorm's running statistics in place (the same operations in the same order as
+// normkit.backends.torch_ops.update_running, in the buffers' dtype):
 //   running_mean = running_mean * (1 - momentum) + momentum * mean
 //   running_var  = running_var * (1 - momentum) + momentum * (var * unbias)
 template <typename T>
@@ -308,43 +339,40 @@ struct Running {
   }
 };
 
-// y (and the statistics, unless fixed or not kept) of one forward call. Fixed statistics:
-// fixed_mean and fixed (the rstd, or the variance with from_var).
+Tensor optional(const c10::optional<Tensor>& t) { return t.has_value() ? *t : Tensor(); }
+
+// (y, mean, rstd, var) of one forward call: the statistics undefined where not kept, or
+// used for the running update; with fixed statistics (fixed_mean and fixed: the rstd, or
+// the variance with from_var) the given mean and rstd (undefined with from_var)
 tensor_list run_forward(const Plan& p, const Tensor& x, const Tensor& w, const Tensor& b,
                         double eps, const Tensor& fixed_mean, const Tensor& fixed,
                         bool from_var, bool keep_stats, Running running) {
   check_input(p, x);
-  Tensor y = at::empty_like(x);
+  Tensor y = p.empty_like(x);
   Tensor wk = p.param(w, p.ones), bk = p.param(b, p.zeros);
   Tensor mean, rstd, var;
-  if (fixed_mean.defined()) {
+  bool given = fixed_mean.defined();
+  keep_stats = keep_stats || running.mean.defined();   // (the update reads them)
+  if (given) {
     mean = p.stat(fixed_mean);
     rstd = p.stat(fixed);
-  } else if (keep_stats || p.staged()) {      // (a staged forward's stage 2 reads them)
+  } else if (keep_stats || p.forward_work.last > 0) {   // (stage 2 may read them)
     auto options = x.options().dtype(p.sdtype());
     mean = at::empty(p.stat_shape, options);
     rstd = at::empty(p.stat_shape, options);
     var = at::empty(p.stat_shape, options);
   }
-  int64_t a[kMaxArgs];
-  p.args(a, {address(x), address(y), address(wk), address(bk), address(mean), address(rstd),
-             fixed_mean.defined() ? address(mean) : address(var), from_var ? 1 : 0},
-         p.forward_consts);
-  if (!p.staged()) {
-    p.run(p.forward_kernel, a, eps, p.forward_units);
-  } else if (fixed_mean.defined()) {          // given statistics: stage 2 alone
-    a[kStage] = 2;
-    p.run(p.forward_kernel, a, eps, p.forward_units);
-  } else {
-    Tensor sums = p.stage_sums();
-    a[kSums] = address(sums);
-    p.run_stages(p.forward_kernel, a, eps, p.forward_stage_units, p.forward_units);
-  }
-  if (fixed_mean.defined() || !keep_stats || running.update(mean, var)) return {y};
+  int64_t a[kMaxSlots];
+  std::copy(p.base.begin(), p.base.end(), a);
+  a[slot.x] = address(x), a[slot.y] = address(y), a[slot.w] = address(wk);
+  a[slot.b] = address(bk), a[slot.mean] = address(mean), a[slot.rstd] = address(rstd);
+  a[slot.var] = address(var), a[slot.from_var] = from_var ? 1 : 0;
+  a[slot.stream] = p.stream(y) ? 1 : 0;
+  p.run_stages(p.forward_kernel, a, eps, p.forward_work);
+  if (given) return {y, fixed_mean, from_var ? Tensor() : fixed, Tensor()};
+  if (running.update(mean, var) || !keep_stats) return {y, Tensor(), Tensor(), Tensor()};
   return {y, mean, rstd, var};
 }
-
-Tensor optional(const c10::optional<Tensor>& t) { return t.has_value() ? *t : Tensor(); }
 
 tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const Tensor& w,
                         const Tensor& mean, const Tensor& rstd, double eps, bool fixed,
@@ -356,39 +384,16 @@ tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, con
                          const Tensor& mean, const Tensor& rstd) {
   check_input(p, x);
   Tensor g = like_input(grad.sizes() == x.sizes() ? grad : grad.reshape(x.sizes()), x);
-  Tensor dx = at::empty_like(x);
+  Tensor dx = p.empty_like(x);
   auto options = x.options().dtype(p.sdtype());
-  int64_t params = p.ones.numel();
+  Tensor dw = at::empty({p.ones.numel()}, options), db = at::empty({p.ones.numel()}, options);
   Tensor wk = p.param(w, p.ones), ms = p.stat(mean), rs = p.stat(rstd);
-  // the kernel's dw, db: (params,), or a threaded rows backward's (chunks, params) partials
-  // (summed below); a threaded planes backward writes (2, N, C) sums instead
-  bool chunks = p.threaded_backward() && p.partials == kRowChunks;
-  bool plane_sums = p.threaded_backward() && p.partials == kPlaneSums;
-  std::vector<int64_t> shape = chunks ? std::vector<int64_t>{p.partial_rows, params}
-                                      : std::vector<int64_t>{params};
-  bool zero = chunks || p.zero_grads;
-  Tensor dw = zero ? at::zeros(shape, options) : at::empty(shape, options);
-  Tensor db = zero ? at::zeros(shape, options) : at::empty(shape, options);
-  Tensor sums = plane_sums ? at::empty({2, p.partial_rows, params}, options)
-                : p.staged() ? p.stage_sums() : Tensor();
-  int64_t a[kMaxArgs];
-  p.args(a, {address(g), address(x), address(dx), address(wk), address(ms), address(rs),
-             plane_sums ? 0 : address(dw), plane_sums ? 0 : address(db)},
-         p.backward_consts);
-  a[kSums] = address(sums);
-  if (p.staged())
-    p.run_stages(p.backward_kernel, a, 0.0, p.stage_units, p.backward_units);
-  else
-    p.run(p.backward_kernel, a, 0.0, p.backward_units);
-  if (chunks) return {dx, dw.sum(0), db.sum(0)};
-  if (plane_sums) {
-    if (p.sdtype() == at::kDouble)
-      sum_planes(sums.data_ptr<double>(), db.data_ptr<double>(), dw.data_ptr<double>(),
-                 p.partial_rows, params);
-    else
-      sum_planes(sums.data_ptr<float>(), db.data_ptr<float>(), dw.data_ptr<float>(),
-                 p.partial_rows, params);
-  }
+  int64_t a[kMaxSlots];
+  std::copy(p.base.begin(), p.base.end(), a);
+  a[slot.g] = address(g), a[slot.x] = address(x), a[slot.dx] = address(dx);
+  a[slot.w] = address(wk), a[slot.mean] = address(ms), a[slot.rstd] = address(rs);
+  a[slot.dw] = address(dw), a[slot.db] = address(db), a[slot.stream] = p.stream(dx) ? 1 : 0;
+  p.run_stages(p.backward_kernel, a, 0.0, p.backward_work);
   return {dx, dw, db};
 }
 
@@ -433,7 +438,8 @@ struct NormNode : public torch::autograd::Function<NormNode> {
       kept->bias_dtype = b.scalar_type();
     }
     ctx->saved_data["k"] = c10::IValue::make_capsule(std::move(kept));
-    if (fixed || !keep_stats || running.update(out[1], out[3])) return {out[0]};
+    if (fixed || running.update(out[1], out[3]) || !(keep_stats || running.mean.defined()))
+      return {out[0]};
     ctx->mark_non_differentiable({out[1], out[2], out[3]});
     return out;
   }
@@ -450,18 +456,13 @@ struct NormNode : public torch::autograd::Function<NormNode> {
     tensor_list result(9);
     if (!(needs[0] || needs[1] || needs[2])) return result;
     Tensor g = grads[0];
-    Tensor dx, dw, db;
-    if (at::GradMode::is_enabled()) {
-      // double backward: the operator, whose autograd differentiates the formula
-      auto out = backward_op(p, g, x, w, mean, rstd, kept->eps, kept->fixed, needs);
-      dx = out[0], dw = out[1], db = out[2];
-    } else {
-      auto out = run_backward(p, g, x, w, mean, rstd);
-      dx = out[0], dw = out[1], db = out[2];
-    }
-    if (needs[0]) result[0] = dx.sizes() == x.sizes() ? dx : dx.reshape(x.sizes());
-    if (needs[1]) result[1] = as_param(dw, w.sizes(), w.scalar_type());
-    if (needs[2]) result[2] = as_param(db, kept->bias_shape, kept->bias_dtype);
+    // double backward: the operator, whose autograd differentiates the formula
+    auto out = at::GradMode::is_enabled()
+                   ? backward_op(p, g, x, w, mean, rstd, kept->eps, kept->fixed, needs)
+                   : run_backward(p, g, x, w, mean, rstd);
+    if (needs[0]) result[0] = out[0].sizes() == x.sizes() ? out[0] : out[0].reshape(x.sizes());
+    if (needs[1]) result[1] = as_param(out[1], w.sizes(), w.scalar_type());
+    if (needs[2]) result[2] = as_param(out[2], kept->bias_shape, kept->bias_dtype);
     return result;
   }
 };
@@ -498,41 +499,55 @@ Running running_of(const c10::optional<Tensor>& mean, const c10::optional<Tensor
   return r;
 }
 
-// no gradient to record: y, or (y, mean, rstd, var); fixed statistics as (mean, rstd), or
-// (mean, var) with from_var. Running buffers given (training BatchNorm): updated from the
-// batch statistics, which are then not returned (unless they could not be: another dtype)
+// The Plan's three calls, as Python sees them (normkit.backends.plan's protocol):
+// forward  no gradient recorded: (y, mean, rstd, var) (see run_forward)
+// backward (dx, dweight, dbias), None where `needs` says so
+// apply    recorded for autograd: (y, mean, rstd, var), the statistics None where not
+//          kept, fixed, or used for the running update
+// Fixed statistics: mean with rstd, or mean with var (rstd None: computed from it).
+// Running buffers (training BatchNorm): updated from the batch statistics, which are then
+// not returned (unless they could not be: buffers of another dtype).
 tensor_list forward(const Plan& plan, const Tensor& x, const c10::optional<Tensor>& w,
                     const c10::optional<Tensor>& b, double eps,
-                    const c10::optional<Tensor>& fixed_mean, const c10::optional<Tensor>& fixed,
-                    bool from_var, bool keep_stats, const c10::optional<Tensor>& running_mean,
+                    const c10::optional<Tensor>& mean, const c10::optional<Tensor>& rstd,
+                    bool keep_stats, const c10::optional<Tensor>& var,
+                    const c10::optional<Tensor>& running_mean,
                     const c10::optional<Tensor>& running_var, double momentum, double unbias) {
-  return run_forward(plan, x, optional(w), optional(b), eps, optional(fixed_mean),
-                     optional(fixed), from_var, keep_stats,
+  bool from_var = mean.has_value() && !rstd.has_value();
+  return run_forward(plan, x, optional(w), optional(b), eps, optional(mean),
+                     from_var ? optional(var) : optional(rstd), from_var, keep_stats,
                      running_of(running_mean, running_var, momentum, unbias));
 }
 
-// the Python plan's backward on the same compiled kernel (no graph)
-tensor_list backward(const Plan& plan, const Tensor& grad, const Tensor& x,
-                     const c10::optional<Tensor>& w, const Tensor& mean, const Tensor& rstd) {
-  return run_backward(plan, grad, x, optional(w), mean, rstd);
+std::vector<c10::optional<Tensor>> backward(const Plan& plan, const Tensor& grad,
+                                            const Tensor& x, const Tensor& mean,
+                                            const Tensor& rstd,
+                                            const c10::optional<Tensor>& w,
+                                            std::array<bool, 3> needs) {
+  auto out = run_backward(plan, grad, x, optional(w), mean, rstd);
+  std::vector<c10::optional<Tensor>> result(3);
+  for (int i = 0; i < 3; ++i)
+    if (needs[i]) result[i] = out[i];
+  return result;
 }
 
-// recorded for autograd: (y, mean, rstd, var), or y alone with fixed statistics (mean,
-// rstd; or mean, var with rstd = None), keep_stats false, or running buffers updated
 tensor_list apply(Plan& plan, const Tensor& x, const c10::optional<Tensor>& w,
                   const c10::optional<Tensor>& b, double eps,
-                  const c10::optional<Tensor>& fixed_mean, const c10::optional<Tensor>& rstd,
-                  const c10::optional<Tensor>& var, bool keep_stats,
+                  const c10::optional<Tensor>& mean, const c10::optional<Tensor>& rstd,
+                  bool keep_stats, const c10::optional<Tensor>& var,
                   const c10::optional<Tensor>& running_mean,
                   const c10::optional<Tensor>& running_var, double momentum, double unbias) {
   Tensor r = optional(rstd);
-  if (fixed_mean.has_value() && !r.defined()) {
+  if (mean.has_value() && !r.defined()) {
     at::NoGradGuard no_grad;
     r = at::rsqrt(plan.stat(*var) + eps);
   }
-  return NormNode::apply(x, w, b, eps, fixed_mean, c10::optional<Tensor>(r),
-                         c10::intrusive_ptr<Plan>::reclaim_copy(&plan), keep_stats,
-                         running_of(running_mean, running_var, momentum, unbias));
+  auto out = NormNode::apply(x, w, b, eps, mean, c10::optional<Tensor>(r),
+                             c10::intrusive_ptr<Plan>::reclaim_copy(&plan), keep_stats,
+                             running_of(running_mean, running_var, momentum, unbias));
+  if (out.size() == 4) return out;
+  if (mean.has_value()) return {out[0], *mean, optional(rstd), Tensor()};
+  return {out[0], Tensor(), Tensor(), Tensor()};
 }
 
 }  // namespace
@@ -540,47 +555,48 @@ tensor_list apply(Plan& plan, const Tensor& x, const c10::optional<Tensor>& w,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Plan, c10::intrusive_ptr<Plan>>(m, "Plan")
       .def(py::init([](const Tensor& like, int64_t forward_kernel, int64_t backward_kernel,
-                       std::vector<int64_t> forward_consts, std::vector<int64_t> backward_consts,
-                       std::vector<int64_t> stat_shape, Tensor ones, Tensor zeros,
-                       bool zero_grads, std::string kind, std::vector<int64_t> view,
+                       std::vector<int64_t> base, std::vector<int64_t> forward_work,
+                       std::vector<int64_t> backward_work, std::vector<int64_t> stat_shape,
+                       Tensor ones, Tensor zeros, std::string kind, std::vector<int64_t> view,
                        std::vector<int64_t> reduce,
                        c10::optional<std::vector<int64_t>> param_view, bool center,
-                       std::vector<int64_t> work) {
-             TORCH_CHECK(kAddresses + forward_consts.size() <= kStage &&
-                             kAddresses + backward_consts.size() <= kStage,
-                         "normkit native plan: too many kernel constants");
-             TORCH_CHECK(work.size() >= 5 && work.size() <= 7, "normkit native plan: work "
-                         "is (forward units, backward units, threads, partials, partial "
-                         "rows[, stage-0 units[, forward stage-0 units]]), got ", work.size(),
-                         " numbers");
+                       int64_t threads, bool rows_of_channels, bool huge,
+                       int64_t stream_bytes, bool stream_fresh) {
+             TORCH_CHECK(slot.count > 0, "normkit native plan: set_slots first (native.py)");
+             TORCH_CHECK(static_cast<int64_t>(base.size()) == slot.count,
+                         "normkit native plan: ", base.size(), " arguments, the table has ",
+                         slot.count, " slots");
              auto p = c10::make_intrusive<Plan>();
              p->forward_kernel = reinterpret_cast<kernel_fn>(forward_kernel);
              p->backward_kernel = reinterpret_cast<kernel_fn>(backward_kernel);
-             p->forward_consts = std::move(forward_consts);
-             p->backward_consts = std::move(backward_consts);
+             p->base = std::move(base);
+             p->forward_work = work_of(forward_work), p->backward_work = work_of(backward_work);
              p->stat_shape = std::move(stat_shape);
-             p->ones = ones, p->zeros = zeros, p->zero_grads = zero_grads;
+             p->ones = ones, p->zeros = zeros;
              p->kind = std::move(kind), p->view = std::move(view), p->reduce = std::move(reduce);
              p->param_view = std::move(param_view), p->center = center;
-             p->forward_units = work[0], p->backward_units = work[1], p->threads = work[2];
-             p->partials = work[3], p->partial_rows = work[4];
-             p->stage_units = work.size() > 5 ? work[5] : work[4];
-             p->forward_stage_units = work.size() > 6 ? work[6] : p->stage_units;
+             p->threads = threads, p->rows_of_channels = rows_of_channels, p->huge = huge;
+             p->stream_bytes = stream_bytes, p->stream_fresh = stream_fresh;
              p->dtype = like.scalar_type();
              p->numel = 1;
              for (int64_t v : p->view) p->numel *= v;
              for (int64_t v : p->stat_shape) p->stat_count *= v;
              return p;
            }))
-      .def("forward", &forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("eps"),
-           py::arg("fixed_mean"), py::arg("fixed"), py::arg("from_var"), py::arg("keep_stats"),
+      .def("forward", &forward, py::arg("x"), py::arg("weight"), py::arg("bias"),
+           py::arg("eps"), py::arg("mean") = py::none(), py::arg("rstd") = py::none(),
+           py::arg("keep_stats") = true, py::arg("var") = py::none(),
            py::arg("running_mean") = py::none(), py::arg("running_var") = py::none(),
            py::arg("momentum") = 0.0, py::arg("unbias") = 1.0)
-      .def("backward", &backward)
-      .def("apply", &apply, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("eps"),
-           py::arg("fixed_mean"), py::arg("rstd"), py::arg("var"), py::arg("keep_stats"),
+      .def("backward", &backward, py::arg("grad"), py::arg("x"), py::arg("mean"),
+           py::arg("rstd"), py::arg("weight"), py::arg("needs"))
+      .def("apply", &apply, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"),
+           py::arg("mean") = py::none(), py::arg("rstd") = py::none(),
+           py::arg("keep_stats") = true, py::arg("var") = py::none(),
            py::arg("running_mean") = py::none(), py::arg("running_var") = py::none(),
-           py::arg("momentum") = 0.0, py::arg("unbias") = 1.0);
+           py::arg("momentum") = 0.0, py::arg("unbias") = 1.0)
+      .def_readonly("threads", &Plan::threads);
   m.def("update_running", &update_running);
   m.def("set_team", &set_team);
+  m.def("set_slots", &set_slots);
 }

@@ -19,7 +19,7 @@ While writing row r's output, the float32/float64 kernels prefetch row r + ahead
 
 Arguments are grouped: ``stats = (mean, rstd, var)`` (M,) arrays of the statistics dtype
 (float32; float64 for float64 input), ``out = (stream, ahead)``: stream the output
-(``tuning.stream_out``), rows ahead to prefetch (0: none).
+(``tuning.stream_bytes``), rows ahead to prefetch (0: none).
 """
 
 from __future__ import annotations

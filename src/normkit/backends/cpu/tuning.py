@@ -11,27 +11,23 @@ import os
 
 import torch
 
-from normkit.backends import _memory
+from normkit.backends import _memory, _parallel
 
 # ---- threads --------------------------------------------------------------------------
 
-#: elements: a smaller input launched from Python runs on the calling thread only,
-#: because handing a range to another thread (waking torch's OpenMP team, each member
-#: taking the GIL for its Python callback) costs 30-90 us, more than the work on the
-#: other thread saves below this size
-SERIAL_BELOW = 1 << 19
-
-#: elements: the same for a plan whose C++ node opens the parallel region itself (no
-#: Python, no GIL: a few microseconds), where every call measured (forward, and forward
-#: and backward) gains from threads at 2^16 elements and the backward loses at 2^15
-NATIVE_SERIAL_BELOW = 1 << 16
+#: elements: a smaller input runs on the calling thread only. The C++ plan opens the
+#: parallel region itself (no Python, no GIL: a few microseconds), and every call measured
+#: (forward, and forward and backward) gains from threads at 2^16 elements and the
+#: backward loses at 2^15
+SERIAL_BELOW = 1 << 16
 
 
-def threads(x, native=False) -> int:
-    """Ranges (threads) to split the work on ``x`` into: torch's thread count, or 1;
-    ``native``: the C++ node would launch them (``native.threads_in_cpp``)."""
-    below = NATIVE_SERIAL_BELOW if native else SERIAL_BELOW
-    return 1 if x.numel() < below else max(1, torch.get_num_threads())
+def threads(x) -> int:
+    """Ranges (threads) to split the work on ``x`` into: torch's thread count, or 1 (a
+    small input, or no OpenMP runtime of torch's to run them on)."""
+    if x.numel() < SERIAL_BELOW or _parallel.backend() != "openmp":
+        return 1
+    return max(1, torch.get_num_threads())
 
 
 def parts(n, s, threads):
@@ -63,18 +59,20 @@ def last_level_cache_bytes(default=32 << 20, base="/sys/devices/system/cpu/cpu0/
 STREAM_BYTES = last_level_cache_bytes()
 
 
-def stream_out(t) -> bool:
-    """Whether a kernel writes its output ``t`` with non-temporal (streaming) stores.
+#: whether a freshly mapped output streams too: each of its pages is zeroed as it faults
+#: in, which leaves its lines in cache, and there plain stores measured faster
+STREAM_FRESH = False
 
-    A plain store first reads the destination line into the cache; a streaming store
-    skips that read, a third of the traffic of a one-input elementwise op. So a float32
-    or float64 output of at least ``STREAM_BYTES`` streams when its memory is already
-    mapped (``_memory.resident``: a block the allocator reuses). A freshly mapped output
-    is different: each page is zeroed as it faults in, which leaves its lines in cache,
-    and there plain stores measured faster. Half-precision outputs store plainly: their
-    kernels' pace is the conversion in registers, not the memory."""
-    return (t.element_size() >= 4 and t.numel() * t.element_size() >= STREAM_BYTES
-            and _memory.resident(t))
+
+def stream_bytes(itemsize) -> int:
+    """Bytes from which a kernel's output is written with non-temporal (streaming) stores,
+    0: never. A plain store first reads the destination line into the cache; a streaming
+    store skips that read, a third of the traffic of a one-input elementwise op. So a
+    float32 or float64 output of at least ``STREAM_BYTES`` streams, where its memory is
+    already mapped (a block the allocator reuses; the C++ plan asks ``mincore`` per call,
+    as ``_memory.resident`` does) or ``STREAM_FRESH``. Half-precision outputs store
+    plainly: their kernels' pace is the conversion in registers, not the memory."""
+    return STREAM_BYTES if itemsize >= 4 else 0
 
 
 # ---- prefetching ahead (rows and NCHW planes) -------------------------------------------

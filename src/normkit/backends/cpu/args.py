@@ -1,0 +1,105 @@
+"""The kernels' arguments, declared once: where Python, numba and C++ meet.
+
+The C++ node calls every kernel through one C signature, ``void(int64 *a, double eps)``.
+Each argument has a name and one slot of ``a``, the same in every kernel (``SLOTS``):
+
+``TENSORS``   addresses of contiguous memory, filled by the node per call: the input and
+              output (storage dtype), parameters and statistics (statistics dtype), and
+              ``scratch``, the call's scratch of ``Work.scratch`` bytes (its layout is
+              written at the entry that uses it, ``entries``)
+``PER_CALL``  filled by the node per call: ``from_var`` (fixed statistics come as a
+              variance), ``stream`` (non-temporal stores), ``stage``, and the range of work
+              items ``[lo, hi)``
+``CONSTANTS`` per plan: sizes, flags and tuning choices, filled by name from the plan's
+              attributes of the same names (``constants``)
+
+An entry's parameters are its declaration (``entries``): ``callback`` compiles it as a
+numba ``cfunc`` generated from those names -- ``entry(a[slot of name1], a[slot of
+name2], ..., eps, proto, sproto)`` -- and a parameter that is not a slot, or a constant
+the plan lacks, is an error when the plan is built. The C++ side takes its slots from
+``SLOTS`` too (``native.cpp``'s ``set_slots``, given this table when the extension is
+loaded), and refuses a table that lacks one of its names.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import NamedTuple
+
+from numba import cfunc, types
+
+__all__ = ["SLOTS", "TENSORS", "PER_CALL", "CONSTANTS", "Work", "callback", "constants",
+           "parameters"]
+
+TENSORS = ("x", "y", "w", "b", "mean", "rstd", "var", "g", "dx", "dw", "db", "scratch")
+PER_CALL = ("from_var", "stream", "stage", "lo", "hi")
+CONSTANTS = ("m", "k", "n", "c", "s", "groups", "center", "fixed", "ahead", "block",
+             "block_bwd", "small", "rows", "run", "parts", "sn", "cg", "count", "per_sample",
+             "chunks")
+SLOTS = {name: slot for slot, name in enumerate(TENSORS + PER_CALL + CONSTANTS)}
+
+#: the callback's own arguments, after the slots: eps (a double), and the storage and
+#: statistics dtypes as empty arrays (compile-time constants of each callback)
+_TAIL = ("eps", "proto", "sproto")
+_SIGNATURE = types.void(types.CPointer(types.int64), types.float64)
+
+
+class Work(NamedTuple):
+    """How one direction of a plan runs (``native.cpp``'s ``run_stages``): stage 0 over
+    ``first`` work items (0: none), stage 1 once on one thread where ``merge``, stage 2
+    over ``last`` items (0: none); ``scratch`` bytes of scratch per call."""
+
+    first: int
+    merge: bool = False
+    last: int = 0
+    scratch: int = 0
+
+
+def parameters(entry) -> tuple:
+    """The slot names an entry reads, in order (its parameters before ``_TAIL``)."""
+    names = tuple(inspect.signature(entry.py_func).parameters)
+    if names[-len(_TAIL):] != _TAIL:
+        raise TypeError(f"{entry.__name__}: a kernel entry ends with the parameters "
+                        f"{_TAIL}, got {names}")
+    unknown = [n for n in names[:-len(_TAIL)] if n not in SLOTS]
+    if unknown:
+        raise TypeError(f"{entry.__name__}: parameters {unknown} are not declared slots; "
+                        f"declare them in normkit.backends.cpu.args")
+    return names[:-len(_TAIL)]
+
+
+def constants(plan, *entries) -> list:
+    """The argument array's base for ``plan``: every constant the entries read, from the
+    plan's attribute of that name (ints; booleans as 0/1), the other slots 0."""
+    base = [0] * len(SLOTS)
+    for entry in entries:
+        for name in parameters(entry):
+            if name in CONSTANTS:
+                if not hasattr(plan, name):
+                    raise TypeError(f"{type(plan).__name__} has no {name!r}, which "
+                                    f"{entry.__name__} reads")
+                base[SLOTS[name]] = int(getattr(plan, name))
+    return base
+
+
+_CALLBACKS = {}
+
+
+def callback(entry, proto, sproto):
+    """``entry`` as a C callback ``void(int64 *a, double eps)`` for one storage and
+    statistics dtype (compiled once per process, or loaded from numba's cache): its body
+    is generated from the entry's parameters, one slot read each."""
+    key = (entry.__name__, proto.dtype, sproto.dtype)
+    found = _CALLBACKS.get(key)
+    if found is None:
+        reads = ", ".join(f"a[{SLOTS[name]}]" for name in parameters(entry))
+        source = (f"def make(proto, sproto):\n"
+                  f"    def {entry.__name__}(a, eps):\n"
+                  f"        entry({reads}, eps, proto, sproto)\n"
+                  f"    return {entry.__name__}\n")
+        # (compiled as this file, and under this module's name: numba's cache needs both)
+        namespace = {"entry": entry, "__name__": __name__}
+        exec(compile(source, __file__, "exec"), namespace)
+        found = _CALLBACKS[key] = cfunc(_SIGNATURE, cache=True)(namespace["make"](proto,
+                                                                                  sproto))
+    return found
