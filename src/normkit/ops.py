@@ -311,7 +311,8 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     # (plain_eager and _needs_grad written out: on a small tensor each Python call on the
     # way to the kernel costs, and more inside a model than alone; docs/performance.md)
     if (not torch.compiler.is_compiling() and type(x) is torch.Tensor
-            and not torch._C._len_torch_dispatch_stack()):
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_any_autocast_enabled()):    # autocast: normkit.autocast
         grad = torch.is_grad_enabled() and (
             x.requires_grad or (weight is not None and weight.requires_grad)
             or (bias is not None and bias.requires_grad))
@@ -474,3 +475,9 @@ def register_public(functions) -> None:
     for name, schema in PUBLIC.items():
         _lib.define(schema)
         _lib.impl(name, functions[name], "CompositeImplicitAutograd")
+
+
+# under torch.autocast("cuda"), the dtypes torch's norms give (normkit.autocast)
+from normkit import autocast as _autocast  # noqa: E402
+
+_autocast.register(_lib)
