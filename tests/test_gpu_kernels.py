@@ -62,6 +62,44 @@ def test_never_chosen_for_cpu_tensors_and_no_interpreter_forced():
     assert backends.select(x, G.layer(x.shape, 1)) is not gpu
 
 
+@needs_triton
+def test_launches_run_in_the_tensors_device_context(monkeypatch):
+    """Triton launches on the current device, not the tensors': each function that
+    launches a kernel enters the device context of its first tensor (recorded here in
+    place of torch.cuda.device), and no other function of the backend launches one."""
+    import ast
+    import inspect
+
+    from normkit.backends import gpu
+
+    entered = []
+
+    class Context:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    class OnCuda1:
+        device = torch.device("cuda", 1)
+
+    monkeypatch.setattr(torch.cuda, "device", Context)
+    inside = gpu._device_guard(lambda t, a: (list(entered), a))
+    assert inside(OnCuda1(), 5) == ([torch.device("cuda", 1)], 5)
+    assert entered == [torch.device("cuda", 1), "exit"]
+    launchers = {f.name for f in ast.walk(ast.parse(inspect.getsource(gpu)))
+                 if isinstance(f, ast.FunctionDef)
+                 and any(isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute)
+                         and n.value.attr.endswith("_kernel") for n in ast.walk(f))}
+    guarded = {"rows_forward", "rows_backward", "_nc_forward", "_nc_backward"}
+    assert launchers == guarded | {"_launch_affine"}      # called by the _nc_* two only
+    assert all(hasattr(getattr(gpu, name), "__wrapped__") for name in guarded)
+
+
 def test_skipped_without_triton():
     """Without triton the module raises ImportError, which the dispatch skips."""
     code = ("import sys, importlib.util as u; u.find_spec = lambda *a, **k: None\n"
