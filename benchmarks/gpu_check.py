@@ -10,6 +10,12 @@
              over 2^31 elements (when the memory allows); output dtypes under
              ``torch.autocast`` against torch's; CUDA-graph capture of forward and
              backward. Cases run in N worker processes (Triton compiles per process).
+``compile``  here, without a GPU: every kernel specialization that the other two stages
+             launch (empty CPU tensors of the same shapes through the public ops), each
+             switch of the A/B on both sides, compiled by Triton for sm_90a (a stand-in
+             driver, no launch), with registers and local memory (spills) per kernel from
+             ``cuobjdump --dump-resource-usage``. ``--only TEXT`` keeps the cases whose
+             label holds TEXT.
 ``bench``    device-only time (``triton.testing.do_bench_cudagraph``, no host in it) of
              normkit, torch and Liger-Kernel (when importable) as GB/s and as a fraction
              of the ``copy_`` rate measured here; host time per call (normkit vs torch);
@@ -43,7 +49,8 @@ import normkit.functional as NF  # noqa: E402
 from normkit import backends  # noqa: E402
 from normkit.backends import gpu  # noqa: E402
 
-DEV = "cpu" if DRY else "cuda"
+DEV = "cpu" if DRY or "compile" in sys.argv[1:2] else "cuda"
+EMPTY = not DRY and DEV == "cpu"                 # compile stage: shapes only, no values
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 ROW_SHAPES = [(5, 40), (3, 300), (2, 1000)] if DRY else [(4096, 4096), (4096, 8192),
                                                          (2048, 16384)]
@@ -59,9 +66,9 @@ SWITCHES = {"STAGES": 1, "X0_SCALAR": False, "LANES": False, "SMALL_ROW": 0,
 
 
 def _accept_cpu_tensors():
-    """Dry run: let the dispatch hand CPU tensors to the GPU backend (the interpreter runs
-    its kernels), as ``tests/_triton_interp_check.py`` does; row blocks shrunk so that
-    the loops over blocks run."""
+    """Dry run and compile stage: let the dispatch hand CPU tensors to the GPU backend,
+    as ``tests/_triton_interp_check.py`` does; in the dry run row blocks are shrunk so
+    that the loops over blocks run."""
     real = gpu.supports
 
     class OnCuda:
@@ -73,14 +80,21 @@ def _accept_cpu_tensors():
 
         device = torch.device("cuda")
 
+    if getattr(real, "cpu_too", False):
+        return
     backends._loaded = (gpu,)
     gpu.supports = lambda x, *args: real(OnCuda(x), *args)
-    gpu.ROW_BLOCK_MAX = 512
+    gpu.supports.cpu_too = True
+    if DRY:
+        gpu.ROW_BLOCK_MAX = 512
 
 
 def _rand(shape, dtype, seed, layout="contiguous", scale=1.0, offset=0.0):
-    gen = torch.Generator(DEV).manual_seed(seed)
-    x = (torch.randn(shape, generator=gen, device=DEV) * scale + offset).to(dtype)
+    if EMPTY:
+        x = torch.zeros(shape, dtype=dtype) + offset
+    else:
+        gen = torch.Generator(DEV).manual_seed(seed)
+        x = (torch.randn(shape, generator=gen, device=DEV) * scale + offset).to(dtype)
     return x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
 
 
@@ -543,9 +557,7 @@ def registers():
             kernels = cache[0] if isinstance(cache, tuple) else cache
             for key, k in kernels.items():
                 meta = getattr(k, "metadata", None)
-                consts = getattr(getattr(k, "src", None), "constants", None) or {}
-                consts = {fn.arg_names[i[0]] if isinstance(i, tuple) and len(i) == 1
-                          and isinstance(i[0], int) else str(i): v for i, v in consts.items()}
+                consts = _constexprs(fn, k)
                 found.append({"kernel": name, "constexprs": str(consts or key)[:300],
                               "num_warps": getattr(meta, "num_warps", None),
                               "num_stages": getattr(meta, "num_stages", None),
@@ -561,24 +573,120 @@ def _unique(regs):
     return list(seen.values())
 
 
+# -- compile (here, no GPU) ------------------------------------------------------------------
+
+def stage_compile(out, only):
+    """Compile, for sm_90a and without launching, every specialization the check
+    launches; registers and local memory of each (LOCAL > 0: spills)."""
+    import subprocess
+    import tempfile
+    import types
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    from normkit.backends import _gpu_kernels as K
+
+    class Sm90:                                    # the driver Triton asks for a target
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    compiled = {}
+
+    class Compile:                                 # kernel[grid](...) compiles, no launch
+        def __init__(self, name):
+            self.fn = getattr(K, name)
+            self.name = name
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                k = self.fn.run(*args, grid=grid, warmup=True, **kwargs)
+                compiled[(self.name, k.hash)] = k
+                return k
+            return run
+
+    driver.set_active(Sm90())
+    gpu._kernels = types.SimpleNamespace(**{n: Compile(n) for n in dir(K)
+                                            if n.endswith("_kernel")})
+    _accept_cpu_tensors()
+    lines, failed = [], []
+    runs = [(label, (n, s, d, lay, "fwd+bwd"), None) for label, n, s, d, lay, _ in correct_cases()]
+    runs += [(_label(c), c, None) for c in BENCH]
+    runs += [(f"{sw}={SWITCHES[sw]} {_label(c)}", c, sw) for sw, cases in AB.items()
+             for c in cases]
+    for label, case, switch in runs:
+        if only and only not in label:
+            continue
+        default = getattr(gpu, switch) if switch else None
+        try:
+            if switch:
+                setattr(gpu, switch, SWITCHES[switch])
+            fn, _, leaves = _callable(case, NF)
+            fn()
+        except Exception as e:
+            failed.append(label)
+            lines.append(f"  FAIL {label}: {type(e).__name__}: {str(e)[:300]}")
+        finally:
+            if switch:
+                setattr(gpu, switch, default)
+    tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+    regs = []
+    for (name, _), k in sorted(compiled.items(), key=lambda kv: kv[0][0]):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                                   text=True).stdout
+        fields = dict(kv.split(":", 1) for kv in usage.split() if ":" in kv and kv[0].isupper())
+        consts = _constexprs(getattr(K, name), k)
+        sig = getattr(getattr(k, "src", None), "signature", None) or {}
+        regs.append({"kernel": name, "dtype": next((v[1:] for v in sig.values()
+                                                     if str(v).startswith("*")), None),
+                     "constexprs": consts, "num_warps": k.metadata.num_warps,
+                     "num_stages": k.metadata.num_stages, "n_regs": int(fields.get("REG", -1)),
+                     "local_bytes": int(fields.get("LOCAL", -1))})
+    for r in regs:
+        lines.append(f"{r['kernel']} {r['dtype']} warps {r['num_warps']} regs {r['n_regs']} local "
+                     f"{r['local_bytes']} {r['constexprs']}")
+    lines.insert(0, f"compile: {len(regs)} specializations for sm_90a (triton "
+                    f"{triton.__version__}), {len(failed)} cases failed; spilling: "
+                    f"{sum(r['local_bytes'] > 0 for r in regs)}")
+    return {"registers": regs, "failed": failed}, lines, not failed
+
+
+def _constexprs(fn, k):
+    consts = getattr(getattr(k, "src", None), "constants", None) or {}
+    return {fn.arg_names[i[0]] if isinstance(i, tuple) and len(i) == 1
+            and isinstance(i[0], int) else str(i): v for i, v in consts.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("stage", choices=("correct", "bench"))
+    p.add_argument("stage", choices=("correct", "bench", "compile"))
     p.add_argument("out", help="folder for STAGE.json and summary.txt")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, interpreter")
     p.add_argument("--workers", type=int, default=1 if DRY else 6,
                    help="processes for the correctness cases")
+    p.add_argument("--only", default="", help="compile: the cases whose label holds this")
     a = p.parse_args(argv)
-    if not DRY and not torch.cuda.is_available():
+    if a.stage != "compile" and not DRY and not torch.cuda.is_available():
         print("gpu_check.py: no CUDA device is visible to torch; run it on a GPU machine, "
               "or pass --dry-run to run it here on the CPU", file=sys.stderr)
         return 2
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
-    report, lines, ok = (stage_correct(a.out, a.workers) if a.stage == "correct"
-                         else stage_bench(a.out))
+    report, lines, ok = {"correct": lambda: stage_correct(a.out, a.workers),
+                         "bench": lambda: stage_bench(a.out),
+                         "compile": lambda: stage_compile(a.out, a.only)}[a.stage]()
     report.update(stage=a.stage, dry_run=DRY, seconds=time.time() - t0,
-                  device=torch.cuda.get_device_name() if not DRY else "cpu (dry run)",
+                  device="cpu" if DEV == "cpu" else torch.cuda.get_device_name(),
                   torch=torch.__version__, triton=__import__("triton").__version__)
     with open(os.path.join(a.out, f"{a.stage}.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -7,9 +7,10 @@
 #                  CUDA tests (tests/test_gpu_kernels.py::TestCuda)
 #   bench   160 s  benchmarks/gpu_check.py bench (device-only GB/s of normkit, torch, Liger
 #                  and copy_, host time per call, A/B of the kernel switches, registers)
-#   models   80 s  normkit bench --models ... --device cuda
-# 440 s of stages plus setup. Results, at most 8 files, in the folder OUT: summary.txt,
-# setup.txt, tests.txt, correct.json, bench.json, models.txt.
+#   launch   20 s  benchmarks/gpu_launch_cost.py (host cost of one Triton launch, three ways)
+#   models   70 s  normkit bench --models ... --device cuda
+# 450 s of stages plus setup. Results, at most 8 files, in the folder OUT: summary.txt,
+# setup.txt, tests.txt, correct.json, bench.json, launch.txt, models.txt.
 #   usage: bash benchmarks/gpu_check.sh OUT [--dry-run]     (PYTHON=... picks the interpreter)
 # --dry-run: the Python stages on the CPU with tiny shapes and Triton's interpreter (no
 # setup, tests or models); tests/test_gpu_check.py runs it.
@@ -25,8 +26,8 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/normkit-torch-extensions}
 say() { echo "gpu_check: $*" | tee -a "$out/summary.txt"; }
-# stage timeouts (s): correct (with the CUDA tests beside it), bench, models add up to 440
-T_SETUP=30 T_CORRECT=200 T_BENCH=160 T_MODELS=80
+# stage timeouts (s): correct (the CUDA tests beside it), bench, launch, models: 450 in all
+T_SETUP=30 T_CORRECT=200 T_BENCH=160 T_LAUNCH=20 T_MODELS=70
 start=$(date +%s)
 status=0
 
@@ -74,6 +75,8 @@ timeout "$T_BENCH" "$PY" benchmarks/gpu_check.py bench "$out" "${flags[@]}"
 rc=$?; say "bench rc=$rc"; [ $rc -eq 0 ] || status=1
 
 if [ -z "$dry" ]; then
+    timeout "$T_LAUNCH" "$PY" benchmarks/gpu_launch_cost.py > "$out/launch.txt" 2>&1
+    rc=$?; say "launch rc=$rc"; cat "$out/launch.txt"
     timeout "$T_MODELS" "$PY" -m normkit bench --models resnet18 siglip llama --device cuda \
         --repeats 2 --no-progress > "$out/models.txt" 2>&1
     rc=$?; say "models rc=$rc (124: stopped at $T_MODELS s)"; tail -n 8 "$out/models.txt"
