@@ -1,27 +1,20 @@
 """The Python stages of ``benchmarks/gpu_check.sh``: one GPU check of at most 8 minutes.
 
-    python benchmarks/gpu_check.py STAGE OUT [--dry-run] [--workers N]
+    python benchmarks/gpu_check.py STAGE OUT [--dry-run] [--workers N] [--only TEXT]
 
-``correct``  normkit's CUDA ops at real shapes against a float64 reference computed from
-             the same inputs, beside torch's own error: LayerNorm / RMSNorm / add+norm at
-             (4096, 4096), (4096, 8192), (2048, 16384) in bf16/fp16/fp32, forward and
-             backward; BatchNorm (32, 256, 56, 56) NCHW and channels_last, GroupNorm
-             (2, 320, 64, 64) channels_last, eval BatchNorm, InstanceNorm; one LayerNorm
-             over 2^31 elements (when the memory allows); output dtypes under
-             ``torch.autocast`` against torch's; CUDA-graph capture of forward and
-             backward. Cases run in N worker processes (Triton compiles per process).
-``compile``  here, without a GPU: every kernel specialization that the other two stages
-             launch (empty CPU tensors of the same shapes through the public ops), each
-             switch of the A/B on both sides, compiled by Triton for sm_90a (a stand-in
-             driver, no launch), with registers and local memory (spills) per kernel from
-             ``cuobjdump --dump-resource-usage``. ``--only TEXT`` keeps the cases whose
-             label holds TEXT.
-``bench``    device-only time (``triton.testing.do_bench_cudagraph``, no host in it) of
-             normkit, torch and Liger-Kernel (when importable) as GB/s and as a fraction
-             of the ``copy_`` rate measured here; host time per call (normkit vs torch);
-             A/B of each kernel switch of ``normkit.backends.gpu`` (both sides timed,
-             outputs compared); registers and spills of every compiled specialization
-             (Triton's ``n_regs`` / ``n_spills``).
+``correct``  the CUDA ops at real shapes against float64 from the same inputs, beside
+             torch's own error (LayerNorm / RMSNorm / add+norm at (4096, 4096), (4096,
+             8192), (2048, 16384) in bf16/fp16/fp32, forward and backward; Batch, eval
+             Batch, Group and InstanceNorm at CNN shapes, NCHW and channels_last); a
+             LayerNorm over 2^31 elements; dtypes under autocast against torch's; CUDA-graph
+             capture of forward and backward. Cases in N processes (Triton compiles per process).
+``bench``    device-only time (``triton.testing.do_bench_cudagraph``) of normkit, torch and
+             Liger-Kernel as GB/s and as a fraction of ``copy_``'s; host time per call;
+             A/B of each kernel switch of ``normkit.backends.gpu`` (both sides, outputs
+             compared); registers and spills of each compiled specialization.
+``compile``  here, without a GPU: every specialization the other stages launch, compiled
+             for sm_90a (``gpu_registers.compile_sm90``; the cases whose label holds
+             ``--only``'s text).
 
 Each stage writes ``OUT/STAGE.json`` and appends its summary to ``OUT/summary.txt``.
 ``--dry-run``: the same code on the CPU, tiny shapes, Triton's interpreter (set here
@@ -45,6 +38,7 @@ if DRY:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import gpu_registers  # noqa: E402
 import normkit.functional as NF  # noqa: E402
 from normkit import backends  # noqa: E402
 from normkit.backends import gpu  # noqa: E402
@@ -210,7 +204,7 @@ def _run_cases(cases):
                                 "trace": traceback.format_exc(limit=4)[-1500:]}))
         if not DRY:
             torch.cuda.empty_cache()
-    return out, registers()
+    return out, gpu_registers.loaded()
 
 
 def big_layer_norm():
@@ -319,7 +313,7 @@ def stage_correct(out, workers):
         results, regs = _run_cases(cases)
     report = {"cases": dict(results), "big": _guarded(big_layer_norm),
               "autocast": _guarded(autocast_dtypes), "graphs": _guarded(graph_capture),
-              "registers": _unique(regs)}
+              "registers": gpu_registers.unique(regs)}
     lines = [f"correct: {sum(r['ok'] for r in report['cases'].values())} of "
              f"{len(results)} cases within max(2 x torch's error, floor)"]
     for label, r in results:
@@ -376,15 +370,12 @@ def _sync():
 def _liger(name):
     """Liger-Kernel's op for ``name`` (x, params) -> y, or None."""
     try:
-        if name == "layer_norm":
-            from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-            return lambda x, p: LigerLayerNormFunction.apply(x, p[0], p[1], 1e-5)
-        if name == "rms_norm":
-            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-            return lambda x, p: LigerRMSNormFunction.apply(x, p[0], 1e-6)
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction as LN
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction as RMS
     except ImportError:
         return None
-    return None
+    return {"layer_norm": lambda x, p: LN.apply(x, p[0], p[1], 1e-5),
+            "rms_norm": lambda x, p: RMS.apply(x, p[0], 1e-6)}.get(name)
 
 
 BENCH = [  # name, shape, dtype, layout, mode
@@ -500,7 +491,7 @@ def stage_bench(out):
             lines.append(f"A/B {switch}={default} vs {SWITCHES[switch]} {_label(case)}: "
                          f"{_us(r.get('default_ms'))} vs {_us(r.get('switched_ms'))} us, "
                          f"outputs differ by {r.get('max_diff')} {r.get('error', '')}")
-    regs = registers()
+    regs = gpu_registers.loaded()
     lines += [f"registers: {len(regs)} compiled specializations; spilling: "
               f"{[r for r in regs if r.get('n_spills')]}"]
     return {"copy_gbps": copy, "rows": rows, "ab": ab, "registers": regs}, lines, True
@@ -538,133 +529,40 @@ def _fmt(row):
     return f"{row['case']}: " + "; ".join(cells)
 
 
-# -- registers ----------------------------------------------------------------------------------
-
-def registers():
-    """Every compiled specialization of the GPU kernels in this process: kernel,
-    constexprs, warps, stages, registers per thread and bytes spilled (Triton's
-    CompiledKernel ``n_regs`` / ``n_spills``; empty in the interpreter)."""
-    import triton
-
-    from normkit.backends import _gpu_kernels as K
-
-    found = []
-    for name in dir(K):
-        fn = getattr(K, name)
-        if not isinstance(fn, triton.runtime.jit.JITFunction):
-            continue
-        for cache in getattr(fn, "device_caches", {}).values():
-            kernels = cache[0] if isinstance(cache, tuple) else cache
-            for key, k in kernels.items():
-                meta = getattr(k, "metadata", None)
-                consts = _constexprs(fn, k)
-                found.append({"kernel": name, "constexprs": str(consts or key)[:300],
-                              "num_warps": getattr(meta, "num_warps", None),
-                              "num_stages": getattr(meta, "num_stages", None),
-                              "n_regs": getattr(k, "n_regs", None),
-                              "n_spills": getattr(k, "n_spills", None)})
-    return found
-
-
-def _unique(regs):
-    seen = {}
-    for r in regs:
-        seen[(r["kernel"], r["constexprs"], r["num_warps"])] = r
-    return list(seen.values())
-
-
 # -- compile (here, no GPU) ------------------------------------------------------------------
 
 def stage_compile(out, only):
     """Compile, for sm_90a and without launching, every specialization the check
-    launches; registers and local memory of each (LOCAL > 0: spills)."""
-    import subprocess
-    import tempfile
-    import types
+    launches (``gpu_registers.compile_sm90``); registers and local memory of each."""
+    def runs():
+        cases = [(label, (n, s, d, lay, "fwd+bwd"), None)
+                 for label, n, s, d, lay, _ in correct_cases()]
+        cases += [(_label(c), c, None) for c in BENCH]
+        cases += [(f"{sw}={SWITCHES[sw]} {_label(c)}", c, sw) for sw, cs in AB.items()
+                  for c in cs]
+        for label, case, switch in cases:
+            if only in label:
+                yield label, lambda case=case, switch=switch: _run_switched(case, switch)
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
-
-    from normkit.backends import _gpu_kernels as K
-
-    class Sm90:                                    # the driver Triton asks for a target
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    compiled = {}
-
-    class Compile:                                 # kernel[grid](...) compiles, no launch
-        def __init__(self, name):
-            self.fn = getattr(K, name)
-            self.name = name
-
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                k = self.fn.run(*args, grid=grid, warmup=True, **kwargs)
-                compiled[(self.name, k.hash)] = k
-                return k
-            return run
-
-    driver.set_active(Sm90())
-    gpu._kernels = types.SimpleNamespace(**{n: Compile(n) for n in dir(K)
-                                            if n.endswith("_kernel")})
     _accept_cpu_tensors()
-    lines, failed = [], []
-    runs = [(label, (n, s, d, lay, "fwd+bwd"), None) for label, n, s, d, lay, _ in correct_cases()]
-    runs += [(_label(c), c, None) for c in BENCH]
-    runs += [(f"{sw}={SWITCHES[sw]} {_label(c)}", c, sw) for sw, cases in AB.items()
-             for c in cases]
-    for label, case, switch in runs:
-        if only and only not in label:
-            continue
-        default = getattr(gpu, switch) if switch else None
-        try:
-            if switch:
-                setattr(gpu, switch, SWITCHES[switch])
-            fn, _, leaves = _callable(case, NF)
-            fn()
-        except Exception as e:
-            failed.append(label)
-            lines.append(f"  FAIL {label}: {type(e).__name__}: {str(e)[:300]}")
-        finally:
-            if switch:
-                setattr(gpu, switch, default)
-    tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
-    regs = []
-    for (name, _), k in sorted(compiled.items(), key=lambda kv: kv[0][0]):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                                   text=True).stdout
-        fields = dict(kv.split(":", 1) for kv in usage.split() if ":" in kv and kv[0].isupper())
-        consts = _constexprs(getattr(K, name), k)
-        sig = getattr(getattr(k, "src", None), "signature", None) or {}
-        regs.append({"kernel": name, "dtype": next((v[1:] for v in sig.values()
-                                                     if str(v).startswith("*")), None),
-                     "constexprs": consts, "num_warps": k.metadata.num_warps,
-                     "num_stages": k.metadata.num_stages, "n_regs": int(fields.get("REG", -1)),
-                     "local_bytes": int(fields.get("LOCAL", -1))})
-    for r in regs:
-        lines.append(f"{r['kernel']} {r['dtype']} warps {r['num_warps']} regs {r['n_regs']} local "
-                     f"{r['local_bytes']} {r['constexprs']}")
-    lines.insert(0, f"compile: {len(regs)} specializations for sm_90a (triton "
-                    f"{triton.__version__}), {len(failed)} cases failed; spilling: "
-                    f"{sum(r['local_bytes'] > 0 for r in regs)}")
+    regs, failed = gpu_registers.compile_sm90(gpu, runs())
+    lines = [f"compile: {len(regs)} specializations for sm_90a, {len(failed)} cases failed; "
+             f"using local memory (spills): {sum(r['local_bytes'] > 0 for r in regs)}"]
+    lines += [f"  FAIL {label}: {err}" for label, err in failed]
+    lines += [f"{r['kernel']} {r['dtype']} warps {r['num_warps']} regs {r['n_regs']} local "
+              f"{r['local_bytes']} {r['constexprs']}" for r in regs]
     return {"registers": regs, "failed": failed}, lines, not failed
 
 
-def _constexprs(fn, k):
-    consts = getattr(getattr(k, "src", None), "constants", None) or {}
-    return {fn.arg_names[i[0]] if isinstance(i, tuple) and len(i) == 1
-            and isinstance(i[0], int) else str(i): v for i, v in consts.items()}
+def _run_switched(case, switch):
+    default = getattr(gpu, switch) if switch else None
+    try:
+        if switch:
+            setattr(gpu, switch, SWITCHES[switch])
+        _callable(case, NF)[0]()
+    finally:
+        if switch:
+            setattr(gpu, switch, default)
 
 
 def main(argv=None) -> int:
