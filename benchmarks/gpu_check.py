@@ -224,7 +224,7 @@ def big_layer_norm():
         xs = x.detach()[rows].double().requires_grad_(True)
         ry = F.layer_norm(xs, (k,), w.detach().double())
         (rgx,) = torch.autograd.grad(ry, [xs], gy[rows].double())
-        res[part] = [float((y[rows].double() - ry).abs().max()),
+        res[part] = [float((y[rows].double() - ry.detach()).abs().max()),
                      float((gx[rows].double() - rgx).abs().max() / rgx.abs().max())]
     res["ok"] = all(e[0] < 0.05 and e[1] < 0.05 for e in (res["first"], res["last"]))
     return res
@@ -233,12 +233,12 @@ def big_layer_norm():
 def autocast_dtypes():
     """Output dtype of each op under autocast (fp16 and bf16), normkit against torch;
     inputs fp16/bf16 (a conv's output), parameters fp32 (a model's)."""
-    res = {}
-    lib = None
+    res, lib = {}, None
     if DRY:                    # the CUDA rule at the CPU key: the dtypes are not torch's
         from normkit import autocast
         lib = torch.library.Library("normkit", "IMPL")
-        lib.impl("norm_forward", autocast.autocast_kernel("AutocastCPU"), "AutocastCPU")
+        kernel = autocast.autocast_kernel("AutocastCPU", torch.ops.normkit.norm_forward.default)
+        lib.impl("norm_forward", kernel, "AutocastCPU")
     try:
         for cast in (F16, BF16):
             for name, shape in (("layer_norm", ROW_SHAPES[0]), ("rms_norm", ROW_SHAPES[0]),

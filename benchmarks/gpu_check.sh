@@ -64,14 +64,14 @@ triton.__version__, 'cuda', torch.version.cuda)"
     tests_pid=$!
 fi
 
-timeout "$T_CORRECT" "$PY" benchmarks/gpu_check.py correct "$out" "${flags[@]}"
+timeout "$T_CORRECT" "$PY" benchmarks/gpu_check.py correct "$out" ${flags[@]+"${flags[@]}"}
 rc=$?; say "correct rc=$rc"; [ $rc -eq 0 ] || status=1
 if [ -z "$dry" ]; then
     wait "$tests_pid"
     rc=$?; say "CUDA tests rc=$rc: $(tail -n 1 "$out/tests.txt")"; [ $rc -eq 0 ] || status=1
 fi
 
-timeout "$T_BENCH" "$PY" benchmarks/gpu_check.py bench "$out" "${flags[@]}"
+timeout "$T_BENCH" "$PY" benchmarks/gpu_check.py bench "$out" ${flags[@]+"${flags[@]}"}
 rc=$?; say "bench rc=$rc"; [ $rc -eq 0 ] || status=1
 
 if [ -z "$dry" ]; then

@@ -35,7 +35,8 @@ def test_inputs_cast_as_torch_casts_them(kind, fp32):
 def cpu_rule():
     """The CUDA rule registered for the CPU autocast key, for this test only."""
     lib = torch.library.Library("normkit", "IMPL")
-    lib.impl("norm_forward", autocast.autocast_kernel("AutocastCPU"), "AutocastCPU")
+    kernel = autocast.autocast_kernel("AutocastCPU", torch.ops.normkit.norm_forward.default)
+    lib.impl("norm_forward", kernel, "AutocastCPU")
     yield
     lib._destroy()
 

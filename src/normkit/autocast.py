@@ -27,25 +27,25 @@ def autocast_inputs(x, weight, bias, kind):
                  and t.dtype != torch.float64 else t for t in (x, weight, bias))
 
 
-def autocast_kernel(key: str):
-    """The ``norm_forward`` kernel for dispatch key ``key`` (``"AutocastCUDA"``): the
-    inputs cast by ``autocast_inputs``, then the operator below that key."""
-    from normkit import ops
-
+def autocast_kernel(key: str, op):
+    """The kernel of ``op`` (``torch.ops.normkit.norm_forward.default``) for dispatch key
+    ``key`` (``"AutocastCUDA"``): the inputs cast by ``autocast_inputs``, then ``op``
+    below that key."""
     below = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
     def norm_forward(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
                      rstd=None):
         with torch._C._ExcludeDispatchKeyGuard(below):
             x, weight, bias = autocast_inputs(x, weight, bias, kind)
-            return ops._forward_op(x, weight, bias, kind, view, reduce, param_view, eps, center,
-                                   mean, rstd)
+            return op(x, weight, bias, kind, view, reduce, param_view, eps, center, mean, rstd)
     return norm_forward
 
 
-def register(lib) -> None:
-    """Register the rule for CUDA in ``lib`` (the ``normkit`` library of ``normkit.ops``)."""
-    lib.impl("norm_forward", autocast_kernel("AutocastCUDA"), "AutocastCUDA")
+def register(lib, op) -> None:
+    """Register the rule for CUDA in ``lib``, the ``normkit`` library of ``normkit.ops``
+    that defines ``op`` (``norm_forward``); ``normkit.ops`` calls this once (no import of
+    it here: ops imports this module)."""
+    lib.impl("norm_forward", autocast_kernel("AutocastCUDA", op), "AutocastCUDA")
 
 
 __all__ = ["FP32_KINDS", "autocast_inputs", "autocast_kernel", "register"]

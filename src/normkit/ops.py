@@ -480,4 +480,4 @@ def register_public(functions) -> None:
 # under torch.autocast("cuda"), the dtypes torch's norms give (normkit.autocast)
 from normkit import autocast as _autocast  # noqa: E402
 
-_autocast.register(_lib)
+_autocast.register(_lib, _forward_op)

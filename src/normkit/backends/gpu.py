@@ -89,11 +89,11 @@ def _device_guard(fn):
     on the current device, which need not be the tensors' (cuda:1 while cuda:0 is
     current)."""
     @functools.wraps(fn)
-    def run(t, *args):
+    def run(t, *args, **kwargs):
         if t.device.type != "cuda":                   # CPU tensors: the interpreter
-            return fn(t, *args)
+            return fn(t, *args, **kwargs)
         with torch.cuda.device(t.device):
-            return fn(t, *args)
+            return fn(t, *args, **kwargs)
     return run
 
 
