@@ -49,9 +49,9 @@ def main():
     y = torch.empty_like(x)
     mean, rstd, var = (torch.empty(m, device="cuda") for _ in range(3))
     block, single = gpu._row_block(k)
-    args = (x, x, x, y, w, b, mean, rstd, var, k, k, 1e-5)
+    args = (x, x, x, y, w, b, mean, rstd, var, m, k, k, 1e-5)
     consts = dict(HAS_RES=False, HAS_W=True, HAS_B=True, CENTER=True, SINGLE=single,
-                  BLOCK=block)
+                  BLOCK=block, ROWS=gpu._rows_per_program(k, block), X0_SCALAR=gpu.X0_SCALAR)
     warps = gpu._warps(block)
 
     def launch():

@@ -3,7 +3,8 @@
 
     TRITON_INTERPRET=1 python tests/_triton_interp_check.py FAMILY
 
-runs every case of FAMILY (``rows``, ``add``, ``units``, ``dispatch``) and prints one
+runs every case of FAMILY (``rows``, ``add``, ``units``, ``dispatch``, ``variants``: the
+first three with every kernel switch of ``normkit.backends.gpu`` on its other side) and prints one
 JSON line ``{"passed": [...], "failed": [[case, message], ...]}``. Each case calls the
 GPU backend's ``forward``/``backward`` (or the fused residual-add functions) directly
 and compares them with the float64 NumPy reference ``normkit.reference`` (or, for
@@ -39,6 +40,9 @@ DEFAULTS = dict(ROW_BLOCK_MAX=gpu.ROW_BLOCK_MAX, TILE_MAX=gpu.TILE_MAX,
                 STAT_TILE_MAX=gpu.STAT_TILE_MAX, INTERPRETER_SMS=gpu.INTERPRETER_SMS)
 SMALL = dict(ROW_BLOCK_MAX=32, TILE_MAX=16, CL_BLOCK_C=4, STAT_BLOCK_MAX=2, STAT_TILE_MAX=4,
              INTERPRETER_SMS=4)
+# the kernel switches (gpu_check.py's A/B) on the side opposite to their defaults
+SWITCHED = dict(STAGES=1, X0_SCALAR=not gpu.X0_SCALAR, LANES=not gpu.LANES,
+                SMALL_ROW=0 if gpu.SMALL_ROW else 256, OCCUPANCY=not gpu.OCCUPANCY)
 
 
 def _blocks(small):
@@ -163,6 +167,10 @@ def cases_rows():
          lambda: check_norm(lay((5, 130)), (5, 130), f16, False, center=False)),
         ("layer 5x130 bf16 affine, one block", False,
          lambda: check_norm(lay((5, 130)), (5, 130), bf16, True)),
+        ("layer 3x300 fp32 affine, one block, one row per program", False,
+         lambda: check_norm(lay((3, 300)), (3, 300), f32, True, offset=1e3)),
+        ("layer 40x5 fp16 affine, rows of 8 per program", False,
+         lambda: check_norm(lay((40, 5)), (40, 5), f16, True, offset=10.0)),
         ("layer 2x3x5x5 over (5, 5) fp32 no affine", False,
          lambda: check_norm(lay((2, 3, 5, 5), 2), (2, 3, 5, 5), f32, False)),
         ("layer 2x3x5x5 over (5, 5) fp16 affine, blocks of 32", True,
@@ -292,7 +300,15 @@ def cases_dispatch():
     ]
 
 
-FAMILIES = dict(rows=cases_rows, add=cases_add, units=cases_units, dispatch=cases_dispatch)
+def cases_variants():
+    for k, v in SWITCHED.items():
+        setattr(gpu, k, v)
+    return [(f"{name} [switched]", small, fn)
+            for cases in (cases_rows, cases_add, cases_units) for name, small, fn in cases()]
+
+
+FAMILIES = dict(rows=cases_rows, add=cases_add, units=cases_units, dispatch=cases_dispatch,
+                variants=cases_variants)
 
 
 def main(names):

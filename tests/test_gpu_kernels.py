@@ -1,12 +1,11 @@
-"""GPU backend (Triton) and the residual-add norms.
+"""GPU backend (Triton): the kernels in the interpreter, the dispatch, and on CUDA the public ops.
 
 * The Triton kernels run here without a GPU, in Triton's interpreter on CPU tensors:
   ``tests/_triton_interp_check.py`` runs in a subprocess with ``TRITON_INTERPRET=1`` (the
   variable must be set before triton is first imported, and other tests in this process
   may import it normally), one subprocess per case family, and compares every kernel
   with the float64 reference. Skipped when triton is not installed.
-* ``add_layer_norm`` / ``add_rms_norm`` (and their memory-saving backward) are checked on
-  CPU, through the composite path, against torch's ``F.layer_norm(x + r)``.
+* ``add_layer_norm`` / ``add_rms_norm`` on CPU: ``tests/test_add_norm.py``.
 * On a machine with CUDA and triton, ``TestCuda`` runs the public ops through the real
   kernels against torch (``benchmarks/gpu_check.sh`` runs it).
 """
@@ -26,6 +25,7 @@ import normkit.functional as NF  # noqa: E402
 from normkit import backends  # noqa: E402
 
 from conftest import assert_close  # noqa: E402
+from test_add_norm import _pair, _torch  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed "
@@ -37,8 +37,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # registration
 # ---------------------------------------------------------------------------------------
 
+@needs_triton
 def test_registered_in_the_dispatch():
-    assert "gpu" in backends._OPTIONAL
+    """With triton installed the dispatch loads the GPU backend, last of the optional ones
+    (a CPU tensor goes to the CPU backend first), with the interface that the dispatch and
+    the residual-add ops call."""
+    from normkit.backends import gpu
+
+    found = backends._candidates()
+    assert gpu in found and found.index(gpu) == len(found) - 1
+    for name in ("supports", "forward", "backward", "fused_add_forward", "fused_add_backward"):
+        assert callable(getattr(gpu, name)), name
 
 
 @needs_triton
@@ -51,6 +60,44 @@ def test_never_chosen_for_cpu_tensors_and_no_interpreter_forced():
     x = torch.randn(4, 8)
     assert not gpu.supports(x, G.layer(x.shape, 1))
     assert backends.select(x, G.layer(x.shape, 1)) is not gpu
+
+
+@needs_triton
+def test_launches_run_in_the_tensors_device_context(monkeypatch):
+    """Triton launches on the current device, not the tensors': each function that
+    launches a kernel enters the device context of its first tensor (recorded here in
+    place of torch.cuda.device), and no other function of the backend launches one."""
+    import ast
+    import inspect
+
+    from normkit.backends import gpu
+
+    entered = []
+
+    class Context:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    class OnCuda1:
+        device = torch.device("cuda", 1)
+
+    monkeypatch.setattr(torch.cuda, "device", Context)
+    inside = gpu._device_guard(lambda t, a: (list(entered), a))
+    assert inside(OnCuda1(), 5) == ([torch.device("cuda", 1)], 5)
+    assert entered == [torch.device("cuda", 1), "exit"]
+    launchers = {f.name for f in ast.walk(ast.parse(inspect.getsource(gpu)))
+                 if isinstance(f, ast.FunctionDef)
+                 and any(isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute)
+                         and n.value.attr.endswith("_kernel") for n in ast.walk(f))}
+    guarded = {"rows_forward", "rows_backward", "_nc_forward", "_nc_backward"}
+    assert launchers == guarded | {"_launch_affine"}      # called by the _nc_* two only
+    assert all(hasattr(getattr(gpu, name), "__wrapped__") for name in guarded)
 
 
 def test_skipped_without_triton():
@@ -67,7 +114,7 @@ def test_skipped_without_triton():
 # ---------------------------------------------------------------------------------------
 
 @needs_triton
-@pytest.mark.parametrize("family", ["rows", "add", "units", "dispatch"])
+@pytest.mark.parametrize("family", ["rows", "add", "units", "dispatch", "variants"])
 def test_kernels_in_interpreter(family):
     env = dict(os.environ, TRITON_INTERPRET="1")
     src = os.path.join(os.path.dirname(HERE), "src")
@@ -80,124 +127,6 @@ def test_kernels_in_interpreter(family):
     failed = "\n\n".join(f"{name}:\n{msg}" for name, msg in report["failed"])
     assert not report["failed"], f"{len(report['failed'])} case(s) failed:\n{failed}"
     assert report["passed"]
-
-
-# ---------------------------------------------------------------------------------------
-# residual-add norms on CPU (composite path)
-# ---------------------------------------------------------------------------------------
-
-def _pair(op, x, r, k, w, b, **kw):
-    if op == "layer":
-        return NF.add_layer_norm(x, r, k, w, b, **kw)
-    return NF.add_rms_norm(x, r, k, w, **kw)
-
-
-def _torch(op, x, r, k, w, b):
-    h = x + r
-    if op == "layer":
-        return F.layer_norm(h, k, w, b), h
-    return F.rms_norm(h, k, w), h
-
-
-@pytest.mark.parametrize("op", ["layer", "rms"])
-@pytest.mark.parametrize("shape,k", [((3, 7), (7,)), ((5, 130), (130,)),
-                                     ((2, 3, 5, 5), (5, 5))])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("memory_saving", [False, True])
-def test_add_norm_matches_torch(op, shape, k, dtype, memory_saving):
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=gen).to(dtype).requires_grad_(True)
-    r = torch.randn(shape, generator=gen).to(dtype).requires_grad_(True)
-    w = (torch.rand(k, generator=gen) + 0.5).to(dtype).requires_grad_(True)
-    b = torch.randn(k, generator=gen).to(dtype).requires_grad_(True) if op == "layer" else None
-    params = [t for t in (x, r, w, b) if t is not None]
-    gy = torch.randn(shape, generator=gen).to(dtype)
-    gh = torch.randn(shape, generator=gen).to(dtype)
-    y, h = _pair(op, x, r, k, w, b, memory_saving=memory_saving)
-    grads = torch.autograd.grad((y * gy).sum() + (h * gh).sum(), params)
-    ty, th = _torch(op, x, r, k, w, b)
-    tgrads = torch.autograd.grad((ty * gy).sum() + (th * gh).sum(), params)
-    assert_close(h, th, msg="h")
-    assert_close(y, ty, msg="y")
-    for name, a, e in zip(("dx", "dresidual", "dweight", "dbias"), grads, tgrads):
-        assert_close(a, e, grad=True, msg=name)
-
-
-@pytest.mark.parametrize("op", ["layer", "rms"])
-def test_add_norm_only_one_output_used(op):
-    x = torch.randn(4, 9, requires_grad=True)
-    r = torch.randn(4, 9, requires_grad=True)
-    w = torch.randn(9, requires_grad=True)
-    for which in (0, 1):
-        with backends.memory_saving(True):
-            out = _pair(op, x, r, (9,), w, None)[which]
-        gx, gr = torch.autograd.grad(out.sum(), (x, r))
-        tx, tr = torch.autograd.grad(_torch(op, x, r, (9,), w, None)[which].sum(), (x, r))
-        assert_close(gx, tx, grad=True)
-        assert_close(gr, tr, grad=True)
-
-
-def test_memory_saving_keeps_the_output_not_the_input():
-    x = torch.randn(6, 16, requires_grad=True)
-    r = torch.randn(6, 16)
-    w = torch.rand(16) + 0.5
-    y, h = NF.add_layer_norm(x, r, (16,), w, memory_saving=True)
-    saved = y.grad_fn.saved_tensors
-    saved = [t for t in saved if t is not None]
-    assert any(t.data_ptr() == y.data_ptr() for t in saved)
-    assert not any(t.data_ptr() == h.data_ptr() for t in saved)
-
-
-def test_memory_saving_falls_back_when_a_weight_is_zero():
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(5, 8, generator=gen, requires_grad=True)
-    r = torch.randn(5, 8, generator=gen)
-    w = torch.randn(8, generator=gen)
-    w[3] = 0.0
-    w.requires_grad_(True)
-    y, h = NF.add_layer_norm(x, r, (8,), w, memory_saving=True)
-    assert any(t is not None and t.data_ptr() == h.data_ptr() for t in y.grad_fn.saved_tensors)
-    g = torch.autograd.grad(y.square().sum(), (x, w))
-    tg = torch.autograd.grad(F.layer_norm(x + r, (8,), w).square().sum(), (x, w))
-    for a, e in zip(g, tg):
-        assert torch.isfinite(a).all()
-        assert_close(a, e, grad=True)
-
-
-def test_memory_saving_switch():
-    assert not backends.memory_saving_enabled()
-    with backends.memory_saving(True):
-        assert backends.memory_saving_enabled()
-        x = torch.randn(3, 4, requires_grad=True)
-        y, _ = NF.add_rms_norm(x, torch.randn(3, 4), (4,), torch.ones(4))
-        assert y.grad_fn is not None and "AddNorm" in type(y.grad_fn).__name__
-        y2, _ = NF.add_rms_norm(x, torch.randn(3, 4), (4,), torch.ones(4), memory_saving=False)
-        assert "AddNorm" not in type(y2.grad_fn).__name__
-    assert not backends.memory_saving_enabled()
-    backends.memory_saving(True)
-    try:
-        assert backends.memory_saving_enabled()
-    finally:
-        backends.memory_saving(False)
-    assert not backends.memory_saving_enabled()
-
-
-def test_add_norm_double_backward_without_memory_saving():
-    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    r = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(5, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradgradcheck(lambda a, b, c: NF.add_layer_norm(a, b, (5,), c)[0],
-                                 (x, r, w))
-
-
-def test_add_norm_errors():
-    x = torch.randn(2, 4)
-    with pytest.raises(ValueError, match="expand_as"):
-        NF.add_layer_norm(x, torch.randn(4), (4,))
-    with pytest.raises(TypeError, match="dtype"):
-        NF.add_rms_norm(x, torch.randn(2, 4, dtype=torch.float64), (4,))
-    with pytest.raises(RuntimeError, match="normalized_shape"):
-        NF.add_layer_norm(x, torch.randn(2, 4), (3,))
 
 
 # ---------------------------------------------------------------------------------------

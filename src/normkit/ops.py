@@ -344,7 +344,8 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     and runs the plan of the input (``run``); traced, it is the operator call on the
     view."""
     if (not torch.compiler.is_compiling() and type(x) is torch.Tensor
-            and not torch._C._len_torch_dispatch_stack()):
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_any_autocast_enabled()):    # autocast: normkit.autocast
         # the plan of x itself: contiguous, or channels_last (the plan of its view, whose
         # C++ node reads any shape of that memory); other strides as the view, copied
         # where no view can express them (a permuted LayerNorm input: ConvNeXt's blocks)
@@ -472,3 +473,9 @@ def register_public(functions) -> None:
     for name, schema in PUBLIC.items():
         _lib.define(schema)
         _lib.impl(name, functions[name], "CompositeImplicitAutograd")
+
+
+# under torch.autocast("cuda"), the dtypes torch's norms give (normkit.autocast)
+from normkit import autocast as _autocast  # noqa: E402
+
+_autocast.register(_lib, _forward_op)

@@ -1,18 +1,11 @@
 """Triton kernels of the GPU backend; imported by ``normkit.backends.gpu`` on first use.
 
-Two families, both with fp32 statistics and one cast of each output:
-
-``_rows_*``   LayerNorm / RMSNorm over rows of K elements (an (M, K) view whose last
-              dim is contiguous), optionally adding a residual first.
-``_nc_*``     Batch/Instance/GroupNorm over an (N, C, S) view with any strides
-              (contiguous NCHW, channels_last, ...): per-(n, c) partials over tiles of
-              (channels x positions), the family of the CPU backend's channels_last
-              kernels (``normkit.backends.cpu.channels_last``).
-
-Every kernel loops over blocks of its row or tile, so any size works; ``SINGLE`` (the row
-fits one block) keeps the row in registers between the statistics and the output. The
-math and its derivation are in ``normkit.reference``; the launchers, block sizes and the
-second-stage reductions are in ``normkit.backends.gpu``.
+``_rows_*`` LayerNorm / RMSNorm over the rows of an (M, K) view (last dim contiguous),
+optionally adding a residual first; ``_nc_*`` Batch/Instance/GroupNorm over an (N, C, S)
+view with any strides, per-(n, c) partials over tiles of (channels x positions), as the
+CPU backend's ``normkit.backends.cpu.channels_last``. fp32 statistics, one cast of each
+output; every kernel loops over blocks of its row or tile, so any size works. The math
+and its derivation: ``normkit.reference``; launchers and block sizes: ``backends.gpu``.
 """
 
 from __future__ import annotations
@@ -32,9 +25,7 @@ def _chan_merge(count, mean, m2, n_new, mean_new, m2_new):
     return count + n_new, mean, m2
 
 
-# ---------------------------------------------------------------------------------------
-# rows: LayerNorm / RMSNorm (+ residual)
-# ---------------------------------------------------------------------------------------
+# -- rows: LayerNorm / RMSNorm (+ residual) ----------------------------------------------
 
 @triton.jit
 def _load_row(X, R, H, offs, mask, HAS_RES: tl.constexpr, STORE_H: tl.constexpr):
@@ -51,76 +42,74 @@ def _load_row(X, R, H, offs, mask, HAS_RES: tl.constexpr, STORE_H: tl.constexpr)
 
 
 @triton.jit
-def _rows_fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, Var, K, stride_row, eps,
+def _rows_fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, Var, M, K, stride_row, eps,
                      HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     CENTER: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row: ``y = (h - mean) * rstd * w + b``, ``h = x (+ r)``.
+                     CENTER: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr,
+                     ROWS: tl.constexpr, X0_SCALAR: tl.constexpr):
+    """``ROWS`` rows per program: ``y = (h - mean) * rstd * w + b``, ``h = x (+ r)``.
 
     Statistics: each block's mean and M2 by a two-pass in registers, merged into the
     row's by Chan's rule (``_chan_merge``), so the row is read once for them and once for
     the output -- never E[x^2] - E[x]^2. Without centering (RMSNorm) mean = 0 and
-    var = mean(x^2).
-    X, R, H, Y share ``stride_row``; Mean, Rstd, Var: (M,) fp32.
+    var = mean(x^2). X, R, H, Y share ``stride_row``; Mean, Rstd, Var: (M,) fp32.
     """
-    row = tl.program_id(0).to(tl.int64)
-    base = row * stride_row
-    cols = tl.arange(0, BLOCK)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)   # ROWS
+    rmask = rows < M
+    base = (rows * stride_row)[:, None]                            # ROWS, 1
+    cols = tl.arange(0, BLOCK)[None, :]                            # 1, BLOCK
     # statistics of h - h0, h0 the row's first element: exact differences for data far
     # from 0 with a small spread (RMSNorm: no shift)
-    x0 = 0.0
+    x0 = tl.zeros([ROWS, 1], dtype=tl.float32)
     if CENTER:
-        x0 = tl.sum(_load_row(X + base, R + base, H + base, cols, cols < 1, HAS_RES, False),
-                    axis=0)
+        if X0_SCALAR:                                              # one load per row
+            x0 = _load_row(X, R, H, base, rmask[:, None], HAS_RES, False)
+        else:                                                      # a masked row reduction
+            x0 = tl.sum(_load_row(X, R, H, base + cols, rmask[:, None] & (cols < 1), HAS_RES,
+                                  False), axis=1)[:, None]
     if SINGLE:                                                     # the row is one block
-        mask = cols < K
-        x = _load_row(X + base, R + base, H + base, cols, mask, HAS_RES, True)   # BLOCK
-        d = tl.where(mask, x - x0, 0.0)                            # BLOCK
+        mask = rmask[:, None] & (cols < K)                         # ROWS, BLOCK
+        d = tl.where(mask, _load_row(X, R, H, base + cols, mask, HAS_RES, True) - x0, 0.0)
+        mean = tl.zeros([ROWS], dtype=tl.float32)
         if CENTER:
-            mean = tl.sum(d, axis=0) / K                           # mean - x0
-            d = tl.where(mask, d - mean, 0.0)
-        else:
-            mean = 0.0
-        var = tl.sum(d * d, axis=0) / K
+            mean = tl.sum(d, axis=1) / K                           # mean - x0; ROWS
+            d = tl.where(mask, d - mean[:, None], 0.0)
+        var = tl.sum(d * d, axis=1) / K                            # ROWS
         rstd = tl.math.rsqrt(var + eps)
-        y = d * rstd
+        y = d * rstd[:, None]
         if HAS_W:
-            y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            y = y * tl.load(W + cols, mask=cols < K, other=0.0).to(tl.float32)
         if HAS_B:
-            y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+            y = y + tl.load(B + cols, mask=cols < K, other=0.0).to(tl.float32)
         tl.store(Y + base + cols, y.to(Y.dtype.element_ty), mask=mask)
-    else:
-        mean = 0.0                                                 # running Chan merge
-        m2 = 0.0
+    else:                                                          # ROWS = 1: blocks of a row
+        mean = tl.zeros([ROWS], dtype=tl.float32)                  # running Chan merge
+        m2 = tl.zeros([ROWS], dtype=tl.float32)
         cnt = 0.0                                                  # elements merged so far
         for k0 in range(0, K, BLOCK):
-            offs = k0 + cols
-            mask = offs < K
-            x = tl.where(mask, _load_row(X + base, R + base, H + base, offs, mask, HAS_RES,
-                                         True) - x0, 0.0)
+            mask = rmask[:, None] & (k0 + cols < K)
+            x = tl.where(mask, _load_row(X, R, H, base + k0 + cols, mask, HAS_RES, True) - x0,
+                         0.0)                                      # ROWS, BLOCK
             nb = tl.minimum(K - k0, BLOCK).to(tl.float32)         # elements in the block
             if CENTER:
-                bmean = tl.sum(x, axis=0) / nb
-                d = tl.where(mask, x - bmean, 0.0)
-                cnt, mean, m2 = _chan_merge(cnt, mean, m2, nb, bmean, tl.sum(d * d, axis=0))
+                bmean = tl.sum(x, axis=1) / nb
+                d = tl.where(mask, x - bmean[:, None], 0.0)
+                cnt, mean, m2 = _chan_merge(cnt, mean, m2, nb, bmean, tl.sum(d * d, axis=1))
             else:
-                m2 = m2 + tl.sum(x * x, axis=0)
-                cnt = cnt + nb
+                m2 = m2 + tl.sum(x * x, axis=1)
         var = m2 / K
         rstd = tl.math.rsqrt(var + eps)
         for k0 in range(0, K, BLOCK):                              # second read: output
-            offs = k0 + cols
-            mask = offs < K
-            x = _load_row(X + base, R + base, H + base, offs, mask, HAS_RES, False)
-            y = ((x - x0) - mean) * rstd
+            cm = k0 + cols < K
+            x = _load_row(X, R, H, base + k0 + cols, rmask[:, None] & cm, HAS_RES, False)
+            y = ((x - x0) - mean[:, None]) * rstd[:, None]
             if HAS_W:
-                y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+                y = y * tl.load(W + k0 + cols, mask=cm, other=0.0).to(tl.float32)
             if HAS_B:
-                y = y + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(Y + base + offs, y.to(Y.dtype.element_ty), mask=mask)
-    mean = mean + x0
-    tl.store(Mean + row, mean)
-    tl.store(Rstd + row, rstd)
-    tl.store(Var + row, var)
+                y = y + tl.load(B + k0 + cols, mask=cm, other=0.0).to(tl.float32)
+            tl.store(Y + base + k0 + cols, y.to(Y.dtype.element_ty), mask=rmask[:, None] & cm)
+    tl.store(Mean + rows, mean + tl.sum(x0, axis=1), mask=rmask)
+    tl.store(Rstd + rows, rstd, mask=rmask)
+    tl.store(Var + rows, var, mask=rmask)
 
 
 @triton.jit
@@ -155,7 +144,7 @@ def _rows_bwd_kernel(G, S, GH, W, B, Mean, Rstd, DX, DWp, DBp, M, K, rows_per_pr
                      stride_g, stride_s, stride_gh, stride_dx,
                      HAS_GH: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                      CENTER: tl.constexpr, FROM_Y: tl.constexpr, SINGLE: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """dx of rows ``[pid * rows_per_prog, ...)``; with ``SINGLE`` also this program's
     partial ``dw = sum(g * xhat)`` and ``db = sum(g)`` into row ``pid`` of DWp, DBp.
 
@@ -177,7 +166,7 @@ def _rows_bwd_kernel(G, S, GH, W, B, Mean, Rstd, DX, DWp, DBp, M, K, rows_per_pr
             w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)     # BLOCK
         dw = tl.zeros([BLOCK], dtype=tl.float32)
         db = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in range(row0, row1):
+        for r in tl.range(row0, row1, num_stages=STAGES):      # next rows' loads in flight
             mean = tl.load(Mean + r)
             rstd = tl.load(Rstd + r)
             g = tl.load(G + r * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
@@ -231,7 +220,7 @@ def _rows_bwd_kernel(G, S, GH, W, B, Mean, Rstd, DX, DWp, DBp, M, K, rows_per_pr
 @triton.jit
 def _rows_param_kernel(G, S, W, B, Mean, Rstd, DWp, DBp, M, K, rows_per_prog,
                        stride_g, stride_s, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                       FROM_Y: tl.constexpr, BLOCK: tl.constexpr):
+                       FROM_Y: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Partial ``dw = sum(g * xhat)``, ``db = sum(g)`` of one column block over one chunk
     of rows (program (p, j) writes row p, block j of DWp, DBp): the first of the two
     reduction stages when a row does not fit one block."""
@@ -241,7 +230,7 @@ def _rows_param_kernel(G, S, W, B, Mean, Rstd, DWp, DBp, M, K, rows_per_prog,
     row0 = pid.to(tl.int64) * rows_per_prog                       # 64-bit offsets
     dw = tl.zeros([BLOCK], dtype=tl.float32)
     db = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in range(row0, tl.minimum(row0 + rows_per_prog, M)):
+    for r in tl.range(row0, tl.minimum(row0 + rows_per_prog, M), num_stages=STAGES):
         g = tl.load(G + r * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
         xh = _xhat(S + r * stride_s, W, B, offs, mask, tl.load(Mean + r), tl.load(Rstd + r),
                    FROM_Y, HAS_W, HAS_B)
@@ -251,18 +240,19 @@ def _rows_param_kernel(G, S, W, B, Mean, Rstd, DWp, DBp, M, K, rows_per_prog,
     tl.store(DBp + pid * K + offs, db, mask=mask)
 
 
-# ---------------------------------------------------------------------------------------
-# per (n, c): Batch/Instance/GroupNorm over an (N, C, S) view with any strides
-# ---------------------------------------------------------------------------------------
+# -- per (n, c): Batch/Instance/GroupNorm over an (N, C, S) view with any strides --------
 
 @triton.jit
 def _nc_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
-                       BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+                       BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, LANES: tl.constexpr,
+                       STAGES: tl.constexpr):
     """Per-(n, c) mean and M2 over one range of positions: program (n, cb, p) covers the
     channels ``[cb * BLOCK_C, ...)`` and positions ``[p * s_per_part, ...)`` of sample n,
-    in (BLOCK_C x BLOCK_S) tiles -- a two-pass per tile in registers, Chan-merged across
-    tiles. Writes PMean[n, p, c] (fp64), PM2[n, p, c] (fp32), (N, P, C); the merge of
-    the parts into each group's statistics is the launcher's second stage."""
+    in (BLOCK_C x BLOCK_S) tiles. ``LANES``: each element of the tile keeps its own
+    count, mean and M2 (Welford, ``mean += d / n``, ``M2 += d * (x - mean)``), merged
+    over the tile's positions once after the loop (Chan); else a two-pass per tile,
+    Chan-merged across tiles. Writes PMean[n, p, c] (fp64), PM2[n, p, c] (fp32), (N, P,
+    C); the merge of the parts into each group's statistics is the launcher's second stage."""
     n = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)      # BLOCK_C
     p = tl.program_id(2)
@@ -272,19 +262,32 @@ def _nc_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
     mean = tl.zeros([BLOCK_C], dtype=tl.float32)                   # mean - x0
     m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
     cnt = 0.0                                                      # positions merged so far
+    lanes = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)         # per element: count,
+    lmean = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)         # mean - x0, M2
+    lm2 = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
     base = X + n * sxn + cs[:, None].to(tl.int64) * sxc
     # moments of x - x0, x0 each channel's first value in the part (see the rows kernel)
     x0 = tl.load(X + n * sxn + cs.to(tl.int64) * sxc + s0.to(tl.int64) * sxs, mask=cmask,
                  other=0.0).to(tl.float32)                         # BLOCK_C
-    for sb in range(s0, s1, BLOCK_S):
+    for sb in tl.range(s0, s1, BLOCK_S, num_stages=STAGES):
         ss = sb + tl.arange(0, BLOCK_S)                            # BLOCK_S
         mask = cmask[:, None] & (ss < s1)[None, :]                 # BLOCK_C, BLOCK_S
         x = tl.load(base + ss[None, :].to(tl.int64) * sxs, mask=mask, other=0.0).to(tl.float32)
         x = tl.where(mask, x - x0[:, None], 0.0)                   # BLOCK_C, BLOCK_S
-        nb = tl.minimum(s1 - sb, BLOCK_S).to(tl.float32)
-        bmean = tl.sum(x, axis=1) / nb                             # BLOCK_C
-        d = tl.where(mask, x - bmean[:, None], 0.0)
-        cnt, mean, m2 = _chan_merge(cnt, mean, m2, nb, bmean, tl.sum(d * d, axis=1))
+        if LANES:
+            lanes += mask.to(tl.float32)
+            d = tl.where(mask, x - lmean, 0.0)
+            lmean += d / tl.maximum(lanes, 1.0)
+            lm2 += d * (x - lmean)
+        else:
+            nb = tl.minimum(s1 - sb, BLOCK_S).to(tl.float32)
+            bmean = tl.sum(x, axis=1) / nb                         # BLOCK_C
+            d = tl.where(mask, x - bmean[:, None], 0.0)
+            cnt, mean, m2 = _chan_merge(cnt, mean, m2, nb, bmean, tl.sum(d * d, axis=1))
+    if LANES:                                                      # Chan over the lanes
+        mean = tl.sum(lanes * lmean, axis=1) / tl.maximum(tl.sum(lanes, axis=1), 1.0)
+        d = lmean - mean[:, None]
+        m2 = tl.sum(lm2 + lanes * d * d, axis=1)
     out = (n * tl.num_programs(2) + p) * C + cs
     tl.store(PMean + out, x0.to(tl.float64) + mean.to(tl.float64), mask=cmask)
     tl.store(PM2 + out, m2, mask=cmask)
@@ -353,11 +356,12 @@ def _nc_stats_kernel(PMean, PM2, Mean, MeanLo, Var, Rstd, N_PER, P, C, G, CG, S,
 @triton.jit
 def _nc_grad_sums_kernel(G, X, Mean, Rstd, PSg, PSgx, C, S, CG, stat_sn, s_per_part,
                          sgn, sgc, sgs, sxn, sxc, sxs, BLOCK_C: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
+                         BLOCK_S: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr):
     """Per-(n, c) partial sums of ``g`` and ``g * xhat`` over one range of positions (the
-    tiling of ``_nc_moments_kernel``); Mean, Rstd: the statistics of each (sample,
-    group), read as in ``_nc_affine_kernel``. These are dbias and dweight before the sums
-    over parts and samples, and the terms of the group sums c_var, c_mean."""
+    tiling of ``_nc_moments_kernel``, ``LANES``: summed per element, reduced after the
+    loop); Mean, Rstd: the statistics of each (sample, group), read as in
+    ``_nc_affine_kernel``. These are dbias and dweight before the sums over parts and
+    samples, and the terms of the group sums c_var, c_mean."""
     n = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p = tl.program_id(2)
@@ -369,16 +373,24 @@ def _nc_grad_sums_kernel(G, X, Mean, Rstd, PSg, PSgx, C, S, CG, stat_sn, s_per_p
     rs = tl.load(Rstd + st, mask=cmask, other=0.0).to(tl.float32)
     sg = tl.zeros([BLOCK_C], dtype=tl.float32)
     sgx = tl.zeros([BLOCK_C], dtype=tl.float32)
+    lg = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+    lgx = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
     c64 = cs[:, None].to(tl.int64)
-    for sb in range(s0, s1, BLOCK_S):
+    for sb in tl.range(s0, s1, BLOCK_S, num_stages=STAGES):
         ss = (sb + tl.arange(0, BLOCK_S))[None, :]
         mask = cmask[:, None] & (ss < s1)
         s64 = ss.to(tl.int64)
         g = tl.load(G + n * sgn + c64 * sgc + s64 * sgs, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(X + n * sxn + c64 * sxc + s64 * sxs, mask=mask, other=0.0).to(tl.float32)
         xh = (x - mu[:, None]) * rs[:, None]                       # BLOCK_C, BLOCK_S
-        sg += tl.sum(g, axis=1)
-        sgx += tl.sum(g * xh, axis=1)
+        if LANES:
+            lg += g
+            lgx += g * xh
+        else:
+            sg += tl.sum(g, axis=1)
+            sgx += tl.sum(g * xh, axis=1)
+    if LANES:
+        sg, sgx = tl.sum(lg, axis=1), tl.sum(lgx, axis=1)
     out = (n * tl.num_programs(2) + p) * C + cs
     tl.store(PSg + out, sg, mask=cmask)
     tl.store(PSgx + out, sgx, mask=cmask)
@@ -430,7 +442,7 @@ def _nc_affine_kernel(X, G, Y, Mean, MeanLo, Rstd, CVar, CMean, W, B, C, S, CG, 
                       s_per_part, sxn, sxc, sxs, sgn, sgc, sgs, syn, syc, sys_,
                       HAS_G: tl.constexpr, FIXED: tl.constexpr, HAS_LO: tl.constexpr,
                       HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_C: tl.constexpr,
-                      BLOCK_S: tl.constexpr):
+                      BLOCK_S: tl.constexpr, STAGES: tl.constexpr):
     """``y = (x - mu) * a + b (+ g * scale_g)``, the coefficients made per channel from
     the statistics of its (sample, group): ``Mean``, ``Rstd`` (and ``CVar``, ``CMean``)
     at ``n * stat_sn + c // CG`` (stat_sn = 0: one statistic per group for every sample).
@@ -471,7 +483,7 @@ def _nc_affine_kernel(X, G, Y, Mean, MeanLo, Rstd, CVar, CMean, W, B, C, S, CG, 
     if HAS_LO:
         mu_lo = mu_lo[:, None]
     c64 = cs[:, None].to(tl.int64)
-    for sb in range(s0, s1, BLOCK_S):
+    for sb in tl.range(s0, s1, BLOCK_S, num_stages=STAGES):
         ss = (sb + tl.arange(0, BLOCK_S))[None, :]
         mask = cmask[:, None] & (ss < s1)
         s64 = ss.to(tl.int64)

@@ -4,44 +4,17 @@ Same interface as ``normkit.backends.torch_ops`` (``supports``, ``forward``,
 ``backward``), plus the residual-add variant used by ``normkit.functional.add_layer_norm``
 and ``add_rms_norm`` (``fused_add_forward``, ``fused_add_backward``). The dispatch in
 ``normkit.backends`` skips this module when triton (the ``gpu`` extra) is not installed:
-importing it raises ImportError then. Triton itself, and the kernels in
-``normkit.backends._gpu_kernels``, are imported on the first CUDA tensor, so CPU-only
-use never pays for it, and nothing here touches ``TRITON_INTERPRET``: the interpreter
-tests set it in their own process and call ``forward``/``backward`` on CPU tensors, which
-``supports`` never accepts.
+importing it raises ImportError then. Triton and the kernels
+(``normkit.backends._gpu_kernels``) are imported on the first CUDA tensor, and nothing
+here touches ``TRITON_INTERPRET``: the interpreter tests set it in their own process and
+call ``forward``/``backward`` on CPU tensors, which ``supports`` never accepts.
 
 Statistics are fp32 for fp32, bf16 and fp16 inputs (fp64 goes to the composite path);
-every output is cast once. Design, per family (see ``docs/gpu.md``):
-
-LayerNorm / RMSNorm (``_rows_*``), an (M, K) view of rows:
-    forward   one program per row; the row's mean and M2 from per-block two-passes
-              merged by Chan's rule, then the output -- two reads of the row, one when
-              it fits a block (kept in registers). An optional residual is added first
-              and ``h = x + r`` written out.
-    backward  P programs, each over a contiguous chunk of rows: ``dx = rstd * (dxhat -
-              c_mean - xhat * c_var)``. When a row fits a block each program also
-              accumulates its rows' ``g * xhat`` and ``g`` in registers and writes them
-              to row p of a (P, K) buffer; otherwise a second kernel, tiled (row chunk x
-              column block), does so. The buffer is then summed over P: a two-stage
-              reduction, no atomics.
-Batch / Instance / GroupNorm (``_nc_*``), an (N, C, S) view with any strides:
-    stats     tiles of (channels x positions) give per-(n, c) mean and M2 over P ranges
-              of positions (two-pass per tile, Chan merge across tiles); a second
-              kernel merges the (N, P, C) partials into the grouping's statistics in
-              float64 (over parts; and over samples for BatchNorm, over the group's
-              channels for GroupNorm).
-    apply     ``y = (x - mu) * (rstd * w) + b``, the coefficients made per channel inside
-              the kernel from the statistics of its (sample, group).
-    backward  per-(n, c) partial sums of ``g`` and ``g * xhat`` (same tiling); a second
-              kernel sums them to the group sums c_var, c_mean (float64), and torch sums
-              them to dbias/dweight; then the apply kernel writes ``dx = g * scale_g +
-              (x - mu) * a + b`` (``scale_g = rstd w``, ``a = -rstd^2 c_var``,
-              ``b = -rstd c_mean``).
-Each call is a few launches (forward 3, backward 4), no torch ops between them but
-allocations: on the GPU the host's time per launch, not the kernels, bounds a call on
-all but the largest tensors (docs/gpu.md).
-The tiles are wide along whichever of channels and positions is contiguous, so contiguous
-NCHW and channels_last both read memory in order.
+every output is cast once. The two kernel families -- rows (LayerNorm / RMSNorm, an (M,
+K) view) and per (n, c) (Batch / Instance / GroupNorm, an (N, C, S) view with any
+strides) -- their formulas and reductions are described in the kernels' docstrings and in
+``docs/gpu.md``. Every launch runs in its tensors' device context (``_device_guard``):
+Triton launches on the current device, not the tensors'.
 """
 
 from __future__ import annotations
@@ -69,6 +42,13 @@ STAT_BLOCK_MAX = 64     # groups side by side in a tile of the statistics kernel
 STAT_TILE_MAX = 1024    # its elements (groups x partials of each)
 PROGRAMS_PER_SM = 4
 INTERPRETER_SMS = 4   # the "device" of CPU tensors in interpreter mode
+# Kernel variants from the review of the kernels (docs/gpu.md), each a switch so that
+# benchmarks/gpu_check.py can time both sides in one run; unmeasured until then.
+STAGES = 3            # loads of the rows / positions loops pipelined (tl.range); 1: off
+X0_SCALAR = True      # LayerNorm forward's shift x0 by one load, not a masked row sum
+LANES = True          # per-(n, c) sums kept per tile element, reduced once after the loop
+SMALL_ROW = 256       # rows of at most this many elements: several per program; 0: off
+OCCUPANCY = True      # rows backward: programs per SM from the registers its block needs
 
 _kernels = None
 
@@ -91,9 +71,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _sms(device) -> int:
-    if device.type == "cuda":
-        return _cuda_sms(device.index)
-    return INTERPRETER_SMS
+    return _cuda_sms(device.index) if device.type == "cuda" else INTERPRETER_SMS
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,6 +82,19 @@ def _cuda_sms(index) -> int:
 
 def _warps(block: int) -> int:
     return min(16, max(1, block // 256))
+
+
+def _device_guard(fn):
+    """Run ``fn(t, ...)`` in the device context of its first argument: Triton launches
+    on the current device, which need not be the tensors' (cuda:1 while cuda:0 is
+    current)."""
+    @functools.wraps(fn)
+    def run(t, *args, **kwargs):
+        if t.device.type != "cuda":                   # CPU tensors: the interpreter
+            return fn(t, *args, **kwargs)
+        with torch.cuda.device(t.device):
+            return fn(t, *args, **kwargs)
+    return run
 
 
 def _ncs(xv, grouping):
@@ -132,27 +123,40 @@ def _merge_batch(t3, grouping):
 
 
 def supports(x, grouping, center=True, fixed=False) -> bool:
-    if (x.device.type != "cuda" or x.dtype not in _DTYPES
-            or not fused_kernels_cover(x, grouping, center, fixed)):
-        return False
-    if tuple(x.shape) != tuple(grouping.view):
-        return False
-    return grouping.kind == "layer" or _ncs(x, grouping) is not None
+    return (x.device.type == "cuda" and x.dtype in _DTYPES
+            and fused_kernels_cover(x, grouping, center, fixed)
+            and tuple(x.shape) == tuple(grouping.view)
+            and (grouping.kind == "layer" or _ncs(x, grouping) is not None))
 
 
-# ---------------------------------------------------------------------------------------
-# rows: LayerNorm / RMSNorm (+ residual)
-# ---------------------------------------------------------------------------------------
+# -- rows: LayerNorm / RMSNorm (+ residual) ----------------------------------------------
 
 def _row_block(k):
     block = min(_pow2(k), ROW_BLOCK_MAX)
     return block, k <= block
 
 
+def _rows_per_program(k, block):
+    """Rows of at most SMALL_ROW elements (per-head q/k norms) go several to a program,
+    a tile of about 2048 elements, rather than one row to a one-warp program."""
+    return max(1, min(16, 2048 // block)) if k <= min(block, SMALL_ROW) else 1
+
+
+def _bwd_programs_per_sm(block):
+    """Programs of the rows backward that one SM holds at once: 65536 registers over
+    about 64 per thread for blocks up to 4096 elements, 128 above (ptxas -v for sm_90a,
+    docs/gpu.md), of ``_warps(block)`` warps each; at most PROGRAMS_PER_SM."""
+    if not OCCUPANCY:
+        return PROGRAMS_PER_SM
+    regs = 64 if block <= 4096 else 128
+    return max(1, min(PROGRAMS_PER_SM, 65536 // (regs * 32 * _warps(block))))
+
+
 def _flat(p, k):
     return None if p is None else p.detach().reshape(k).contiguous()
 
 
+@_device_guard
 def rows_forward(x, residual, weight, bias, eps, center):
     """LayerNorm (``center``) or RMSNorm of the rows of an (M, K) tensor, after adding
     ``residual`` if given. Returns ``(y, h, mean, rstd, var)``; ``h = x + residual`` in
@@ -165,22 +169,28 @@ def rows_forward(x, residual, weight, bias, eps, center):
     if residual is not None:
         residual = residual.contiguous()
         h = torch.empty_like(x)
-    mean, rstd, var = (torch.empty(m, dtype=torch.float32, device=x.device) for _ in range(3))
+    mean, rstd, var = torch.empty((3, m), dtype=torch.float32, device=x.device)
     block, single = _row_block(k)
-    _k()._rows_fwd_kernel[(m,)](
+    rows = _rows_per_program(k, block)
+    _k()._rows_fwd_kernel[(_cdiv(m, rows),)](
         x, x if residual is None else residual, x if h is None else h, y,
-        x if w is None else w, x if b is None else b, mean, rstd, var, k, k, float(eps),
+        x if w is None else w, x if b is None else b, mean, rstd, var, m, k, k, float(eps),
         HAS_RES=residual is not None, HAS_W=w is not None, HAS_B=b is not None,
-        CENTER=bool(center), SINGLE=single, BLOCK=block, num_warps=_warps(block))
+        CENTER=bool(center), SINGLE=single, BLOCK=block, ROWS=rows, X0_SCALAR=X0_SCALAR,
+        num_warps=_warps(block * rows))
     return y, h, mean, rstd, var
 
 
-def rows_backward(grad, saved, grad_h, weight, bias, mean, rstd, center, from_y, needs):
+@_device_guard
+def rows_backward(grad, grad_h, saved, mean, rstd, weight, bias, center, from_y, needs):
     """Gradients of ``rows_forward``: ``(dx, dweight, dbias)`` with dweight/dbias (K,)
     fp32 (None unless asked for in ``needs``). ``saved`` is the normalized input h (or
     x), or the output y when ``from_y`` (memory-saving: ``xhat = (y - b) / w``, every
     weight element nonzero). ``grad_h``, if given, is added to dx (the gradient that
-    reaches ``h = x + residual`` directly)."""
+    reaches ``h = x + residual`` directly: dx is then the gradient of x and of the
+    residual alike). dweight and dbias: each program's partial
+    sums in one (2, P, K) buffer, P the programs that fit the device at once, summed over
+    P by one reduction."""
     m, k = saved.shape
     saved, grad = saved.contiguous(), grad.contiguous()
     if grad_h is not None:
@@ -188,45 +198,37 @@ def rows_backward(grad, saved, grad_h, weight, bias, mean, rstd, center, from_y,
     w, b = _flat(weight, k), _flat(bias, k)
     dx = torch.empty_like(saved)
     block, single = _row_block(k)
-    rows_per_prog = _cdiv(m, min(m, _sms(saved.device) * PROGRAMS_PER_SM))
+    rows_per_prog = _cdiv(m, min(m, _sms(saved.device) * _bwd_programs_per_sm(block)))
     programs = _cdiv(m, rows_per_prog)
-    dwp = torch.empty((programs, k), dtype=torch.float32, device=saved.device)   # P, K
-    dbp = torch.empty((programs, k), dtype=torch.float32, device=saved.device)   # P, K
+    part = torch.empty((2, programs, k), dtype=torch.float32, device=saved.device)  # 2, P, K
     flags = dict(HAS_W=w is not None, HAS_B=b is not None, FROM_Y=bool(from_y),
-                 BLOCK=block, num_warps=_warps(block))
+                 BLOCK=block, STAGES=STAGES, num_warps=_warps(block))
     kern = _k()
     kern._rows_bwd_kernel[(programs,)](
         grad, saved, saved if grad_h is None else grad_h, saved if w is None else w,
-        saved if b is None else b, rstd if mean is None else mean, rstd, dx, dwp, dbp, m, k,
-        rows_per_prog,
-        k, k, k, k, HAS_GH=grad_h is not None, CENTER=bool(center), SINGLE=single, **flags)
+        saved if b is None else b, rstd if mean is None else mean, rstd, dx, part[0], part[1],
+        m, k, rows_per_prog, k, k, k, k, HAS_GH=grad_h is not None, CENTER=bool(center),
+        SINGLE=single, **flags)
     if not single and (needs[1] or needs[2]):
         kern._rows_param_kernel[(programs, _cdiv(k, block))](
             grad, saved, saved if w is None else w, saved if b is None else b,
-            rstd if mean is None else mean, rstd, dwp, dbp, m, k, rows_per_prog, k, k, **flags)
-    dw = dwp.sum(0) if needs[1] else None                          # second stage: K
-    db = dbp.sum(0) if needs[2] else None
-    return (dx if needs[0] else None), dw, db
+            rstd if mean is None else mean, rstd, part[0], part[1], m, k, rows_per_prog, k, k,
+            **flags)
+    sums = part.sum(1) if needs[1] or needs[2] else None          # second stage: 2, K
+    dw, db = (None if sums is None else sums[0]), (None if sums is None else sums[1])
+    return (dx if needs[0] else None), (dw if needs[1] else None), (db if needs[2] else None)
 
 
 def fused_add_forward(x, residual, weight, bias, eps, center):
-    """``h = x + residual`` and its LayerNorm/RMSNorm in one pass over (M, K) views:
-    ``(y, h, mean, rstd)``."""
+    """``(y, h, mean, rstd)``: ``h = x + residual`` and its LayerNorm/RMSNorm, one pass."""
     y, h, mean, rstd, _ = rows_forward(x, residual, weight, bias, eps, center)
     return y, h, mean, rstd
 
 
-def fused_add_backward(grad_y, grad_h, saved, mean, rstd, weight, bias, center, from_y,
-                       needs):
-    """``(dh, dweight, dbias)`` of ``fused_add_forward``; ``dh`` is the gradient of x and
-    of the residual alike."""
-    return rows_backward(grad_y, saved, grad_h, weight, bias, mean, rstd, center, from_y,
-                         needs)
+fused_add_backward = rows_backward
 
 
-# ---------------------------------------------------------------------------------------
-# per (n, c): Batch / Instance / GroupNorm over (N, C, S)
-# ---------------------------------------------------------------------------------------
+# -- per (n, c): Batch / Instance / GroupNorm over (N, C, S) -----------------------------
 
 def _tiles(x3):
     """``(block_c, block_s, parts, s_per_part)``: the tile, wide along the contiguous
@@ -260,16 +262,6 @@ def _stat_tile(groups, partials):
     return max(1, min(_pow2(partials), STAT_TILE_MAX // block_g)), block_g
 
 
-def _samples_per_stat(grouping, n):
-    """Samples merged into one statistic: all of them for BatchNorm, one otherwise."""
-    return n if grouping.kind == "batch" else 1
-
-
-def _stat_stride(t, groups):
-    """Stride along samples of a flat statistic: 0 when there is one per group."""
-    return 0 if t.numel() == groups else groups
-
-
 def _launch_affine(x3, g3, out3, grouping, stats, weight, bias, c_var_mean, tiles,
                    fixed=False):
     """``_nc_affine_kernel`` over the (N, C, S) views; ``stats = (mean, mean_lo, rstd)``
@@ -283,16 +275,13 @@ def _launch_affine(x3, g3, out3, grouping, stats, weight, bias, c_var_mean, tile
     _k()._nc_affine_kernel[(n, _cdiv(c, block_c), parts)](
         x3, g, out3, mean, rstd if mean_lo is None else mean_lo, rstd, cv, cm,
         rstd if weight is None else weight, rstd if bias is None else bias, c, s, cg,
-        _stat_stride(rstd, groups), spp, *x3.stride(), *g.stride(), *out3.stride(),
+        0 if rstd.numel() == groups else groups, spp, *x3.stride(), *g.stride(), *out3.stride(),
         HAS_G=g3 is not None, FIXED=bool(fixed), HAS_LO=mean_lo is not None,
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_C=block_c, BLOCK_S=block_s,
-        num_warps=_warps(block_c * block_s))
+        STAGES=STAGES, num_warps=_warps(block_c * block_s))
 
 
-def _param(p, c):
-    return None if p is None else p.detach().reshape(c).contiguous()
-
-
+@_device_guard
 def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
     x3 = _merge_batch(_ncs(x, grouping), grouping)
     n, c, s = x3.shape
@@ -306,8 +295,8 @@ def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
         pm2 = torch.empty((n, parts, c), dtype=torch.float32, device=dev)
         _k()._nc_moments_kernel[(n, _cdiv(c, block_c), parts)](
             x3, pmean, pm2, c, s, spp, *x3.stride(), BLOCK_C=block_c, BLOCK_S=block_s,
-            num_warps=_warps(block_c * block_s))
-        per = _samples_per_stat(grouping, n)
+            LANES=LANES, STAGES=STAGES, num_warps=_warps(block_c * block_s))
+        per = n if grouping.kind == "batch" else 1   # samples per statistic
         mean, mean_lo, var, rstd = torch.empty((4, n // per * groups), dtype=torch.float32,
                                                device=dev)            # 4 x (A * G)
         block_t, block_g = _stat_tile(groups, per * parts * cg)
@@ -320,13 +309,14 @@ def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
     # is itself a view could not be modified in place by the caller (autograd refuses)
     y = torch.empty_like(x)
     _launch_affine(x3, None, _merge_batch(_ncs(y, grouping), grouping), grouping,
-                   (mean, mean_lo, rstd), _param(weight, c), _param(bias, c), None, tiles)
+                   (mean, mean_lo, rstd), _flat(weight, c), _flat(bias, c), None, tiles)
     shape = grouping.stat_shape
     if var is not None:
         mean, rstd, var = mean.view(shape), rstd.view(shape), var.view(shape)
     return y, mean, rstd, var
 
 
+@_device_guard
 def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     x3 = _ncs(x, grouping)
     g3 = _ncs(grad, grouping)
@@ -344,15 +334,15 @@ def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     groups, cg = _groups(grouping, c)
     psg = torch.empty((2, n, parts, c), dtype=torch.float32, device=dev)    # 2 x (N, P, C)
     _k()._nc_grad_sums_kernel[(n, _cdiv(c, block_c), parts)](
-        g3, x3, mean, rstd, psg[0], psg[1], c, s, cg, _stat_stride(rstd, groups), spp,
-        *g3.stride(), *x3.stride(), BLOCK_C=block_c, BLOCK_S=block_s,
-        num_warps=_warps(block_c * block_s))
-    w = _param(weight, c)
+        g3, x3, mean, rstd, psg[0], psg[1], c, s, cg, 0 if rstd.numel() == groups else groups,
+        spp, *g3.stride(), *x3.stride(), BLOCK_C=block_c, BLOCK_S=block_s, LANES=LANES,
+        STAGES=STAGES, num_warps=_warps(block_c * block_s))
+    w = _flat(weight, c)
     dx = None
     if needs[0]:
         c_var_mean = None
         if not fixed:
-            per = _samples_per_stat(grouping, n)
+            per = n if grouping.kind == "batch" else 1   # samples per statistic
             c_var_mean = torch.empty((2, n // per * groups), dtype=torch.float32, device=dev)
             block_t, block_g = _stat_tile(groups, per * parts * cg)
             _k()._nc_grad_stats_kernel[(n // per, _cdiv(groups, block_g))](
@@ -370,9 +360,7 @@ def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     return dx, dw, db
 
 
-# ---------------------------------------------------------------------------------------
-# the backend interface
-# ---------------------------------------------------------------------------------------
+# -- the backend interface ---------------------------------------------------------------
 
 def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
     if grouping.kind != "layer":
@@ -386,8 +374,8 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     if grouping.kind != "layer":
         return _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs)
     m, k = grouping.view
-    dx, dw, db = rows_backward(grad, x, None, weight, None, mean.reshape(m).float(),
-                               rstd.reshape(m).float(), center, False, needs)
+    dx, dw, db = rows_backward(grad, None, x, mean.reshape(m).float(), rstd.reshape(m).float(),
+                               weight, None, center, False, needs)
     pshape = grouping.param_view
     return dx, (None if dw is None else dw.view(pshape)), (None if db is None else db.view(pshape))
 

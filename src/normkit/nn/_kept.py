@@ -47,10 +47,11 @@ class KeptPlan:
     def _plain_call(self, x) -> bool:
         """Whether this call may take a kept plan: eager, a plain contiguous tensor (or,
         for a ``_rows_of_channels`` layer, one whose channels are adjacent in memory:
-        channels_last), no dispatch mode, an exact normkit class."""
+        channels_last), no dispatch mode and no autocast, an exact normkit class."""
         return not (torch.compiler.is_compiling() or type(x) is not torch.Tensor
                     or type(self) not in self._plain_classes
                     or torch._C._len_torch_dispatch_stack()
+                    or torch._C._is_any_autocast_enabled()          # (normkit.autocast)
                     or not (x.is_contiguous()
                             or (self._rows_of_channels and x.dim() > 2 and x.stride(1) == 1)))
 
