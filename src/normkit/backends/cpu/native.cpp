@@ -136,13 +136,19 @@ bool resident(const Tensor& t) {
   return mincore(reinterpret_cast<void*>(last), page, &vec) == 0 && (vec & 1);
 }
 
-// a large new output's 2 MiB-aligned interior advised MADV_HUGEPAGE (_memory.empty_like)
-void advise_huge(const Tensor& t) {
+// the 2 MiB-aligned interior of t's memory, (start, bytes) (bytes 0: none)
+std::pair<int64_t, int64_t> huge_interior(const Tensor& t) {
   constexpr uintptr_t huge = 1 << 21;
   uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
   uintptr_t lo = (start + huge - 1) / huge * huge;
   uintptr_t hi = (start + t.numel() * t.element_size()) / huge * huge;
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  return {static_cast<int64_t>(lo), hi > lo ? static_cast<int64_t>(hi - lo) : 0};
+}
+
+// a large new output's interior advised MADV_HUGEPAGE (_memory: NORMKIT_HUGE_PAGES=1)
+void advise_huge(const Tensor& t) {
+  auto [lo, bytes] = huge_interior(t);
+  if (bytes > 0) madvise(reinterpret_cast<void*>(lo), bytes, MADV_HUGEPAGE);
 }
 
 struct Plan : torch::CustomClassHolder {
@@ -599,4 +605,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("update_running", &update_running);
   m.def("set_team", &set_team);
   m.def("set_slots", &set_slots);
+  m.def("resident", &resident);               // (tests)
+  m.def("huge_interior", &huge_interior);
 }
