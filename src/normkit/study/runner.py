@@ -116,8 +116,15 @@ def _one_thread():
 
 
 def _run(task):
-    method, batch_size, seed, protocol = task
+    """A grid run ``(method, batch, seed, protocol)`` or an experiment's part
+    ``("experiment", name, method, config)``."""
     _one_thread()
+    if task[0] == "experiment":
+        from normkit.study import experiments  # imports vit, which imports this module
+
+        _, name, method, cfg = task
+        return {"experiment": name, "method": method, "result": experiments.run_part(_DATA["data"], name, method, cfg)}
+    method, batch_size, seed, protocol = task
     return train_one(_DATA["data"], method, batch_size, seed, protocol["train"],
                      record_shift=_records_shift((method, batch_size, seed), protocol))
 
@@ -171,9 +178,13 @@ MODELS = {
 
 def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, quick=False, jobs=None,
               fresh=False, progress=True, base_lr=None, dataset="mnist1d", all_batches=False,
-              min_steps=None) -> dict:
-    """Train the grid, resuming from ``out_dir/results.json``; return the results dict
-    (protocol, runs, elapsed time). The report is made separately (see ``report``)."""
+              min_steps=None, extra=True) -> dict:
+    """Train the grid and, with ``extra`` on MNIST-1D, the experiments of
+    :mod:`normkit.study.experiments`, resuming from ``out_dir/results.json``; return the
+    results dict (protocol, runs, experiments, elapsed time). The report is made separately
+    (see ``report``)."""
+    from normkit.study import experiments  # imports vit, which imports this module
+
     if dataset not in data_module.DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(data_module.DATASETS)}")
     base = (QUICK if quick else DEFAULTS)[dataset]
@@ -224,7 +235,19 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
     wanted = set(plan(methods, batch_sizes, seeds, all_batches))
     n_train = protocol["train_images"]
     cost = {t: _cost(run_steps(n_train, t[1], epochs, min_steps), t[1]) for t in todo}
-    results = {"normkit_study": 1, "protocol": protocol, "runs": [], "elapsed_seconds": 0.0}
+    stored = dict(old.get("experiments", {})) if old else {}
+    exp_todo = []
+    if extra and dataset == "mnist1d":
+        cfgs = experiments.configs(quick, protocol["train"])
+        exp_todo = experiments.tasks(cfgs, stored)
+        for name, cfg in cfgs.items():
+            if stored.get(name, {}).get("config") != cfg:
+                stored[name] = {"config": cfg, "parts": {}}
+        at_32 = run_steps(n_train, 32, epochs, min_steps)
+        cost.update({("experiment", name, m): _cost(experiments.cost(name, cfg, at_32), 32)
+                     for name, m, cfg in exp_todo})
+    results = {"normkit_study": 1, "protocol": protocol, "runs": [], "experiments": stored,
+               "elapsed_seconds": 0.0}
     elapsed_before = float(old.get("elapsed_seconds", 0.0)) if old else 0.0
 
     def store():
@@ -235,22 +258,30 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
         _save(path, results)
 
     start = time.perf_counter()
-    tasks = [(m, b, s, protocol) for (m, b, s) in todo]
+    # the grid first, seed by seed; the experiments' parts fill the workers at its end
+    tasks = [(m, b, s, protocol) for (m, b, s) in todo] + [("experiment", *t) for t in exp_todo]
+    n_all = len(wanted) + sum(len(experiments.EXPERIMENTS[k][0]) for k in stored)
+    finished = [n_all - len(tasks)]
     bar = None
-    if progress and todo:
+    if progress and tasks:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=sum(cost.values()), dynamic_ncols=True,
                    bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed} elapsed, {remaining} left]")
-        bar.set_description_str(f"{len(wanted) - len(todo)}/{len(wanted)} runs")
+        bar.set_description_str(f"{finished[0]}/{n_all} runs")
 
     def done(r):
-        key = (r["method"], r["batch_size"], r["seed"])
-        runs[key] = r
+        if "experiment" in r:
+            key = ("experiment", r["experiment"], r["method"])
+            stored[r["experiment"]]["parts"][r["method"]] = r["result"]
+        else:
+            key = (r["method"], r["batch_size"], r["seed"])
+            runs[key] = r
         store()
         if bar is not None:
             bar.update(cost[key])
-            bar.set_description_str(f"{len(runs)}/{len(wanted)} runs")
+            finished[0] += 1
+            bar.set_description_str(f"{finished[0]}/{n_all} runs")
 
     try:
         execute(_run, tasks, data, jobs, done)
