@@ -19,7 +19,8 @@ def _exp(parts, **config):
 
 
 def _depth_part(init, trained):
-    return {"depth": len(init), "steps": 10, "gradients": {"init": {"activation": init}, "trained": {"activation": trained}}}
+    return {"depth": len(init), "steps": 10,
+            "gradients": {"init": {"activation": init}, "trained": {"activation": trained}}}
 
 
 FLAT = [1.0] * 20

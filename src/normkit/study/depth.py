@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import normkit.nn as nk
-from normkit.study.train import TrainConfig, train_error, train_model
+from normkit.study.train import TrainConfig, _error, train_error, train_model
 
 __all__ = ["DEPTH", "WIDTH", "PROBE", "METHODS", "DEFAULT", "QUICK", "DeepMLP", "layer_gradients", "spread",
            "run"]
@@ -120,10 +120,7 @@ def run(data, method: str, cfg: dict, seed: int = 0) -> dict:
     config = TrainConfig(base_lr=cfg["base_lr"])
     model, info = train_model(data, method, cfg["batch_size"], seed, config, net=make, steps=cfg["steps"])
     grads["trained"] = layer_gradients(model, x, y)
-    model.eval()
-    with torch.no_grad():
-        test = float((model(torch.from_numpy(data.x_test)).argmax(1) != torch.from_numpy(data.y_test))
-                     .float().mean())
+    test = _error(model.eval(), torch.from_numpy(data.x_test), torch.from_numpy(data.y_test), 1024)
     return {"method": method, "depth": DEPTH, "width": WIDTH, "steps": info["steps"], "lr": info["lr"],
             "diverged": info["diverged"], "final_train_loss": info["final_train_loss"],
             "train_error": train_error(model, data, 256, info["diverged"]), "test_error": test,

@@ -184,7 +184,8 @@ def batch_one_row(exp):
     raises = one["batch"].get("error") is not None
     calm = [m for m in ("group", "layer") if one[m].get("error") is None and one[m]["alone_change"] <= ALONE_TOL]
     err = one["batch"].get("error") or "no error"
-    here = (f"BatchNorm1d on one sample of (N, D) features: {err.split(':')[0]} (\"{err.split(': ', 1)[-1][:60]}...\"); "
+    kind, _, message = err.partition(": ")
+    here = (f"BatchNorm1d on one sample of (N, D) features: {kind} (\"{message[:60]}...\"); "
             f"the CNN's BatchNorm (10 positions per channel) runs, but with each signal alone its test error is "
             f"{pct(one['batch']['alone_error'])} % ({pct(one['batch']['eval_error'])} % in eval mode); GroupNorm, "
             f"LayerNorm: logits move by at most {max(one[m]['alone_change'] for m in ('group', 'layer')):.1e} "

@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from normkit.study.analysis import NAMES
-from normkit.study.plots import STYLE, _plt, _save
+from normkit.study.plots import STYLE, _plt, _save, matplotlib_ticker
 
 __all__ = ["EXPERIMENT_PLOTS", "plot_experiments", "plot_depth", "plot_lr_range", "plot_style", "plot_drift"]
 
@@ -60,13 +60,17 @@ def plot_lr_range(exp, path):
         target = r["target"]
         steps, batch = r["steps"], r["batch_size"]
     ax.axhline(target, color="black", lw=0.8, ls=":")
-    ax.text(ax.get_xlim()[0], target, f" target loss {target}", va="bottom", ha="left", fontsize=8)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    plain = matplotlib_ticker().FuncFormatter(lambda v, _: f"{v:g}")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.text(ax.get_xlim()[0], target, f" target loss {target}", va="bottom", ha="left", fontsize=8)
     ax.set_xlabel("peak learning rate (SGD, log scale)")
     ax.set_ylabel("final training loss (log scale)")
-    ax.set_title(f"Learning-rate sweep, {steps} steps at batch {batch}: below the dotted line = trained; "
-                 f"the wider the dip, the wider the usable range", fontsize=9)
+    ax.set_title(f"Learning-rate sweep, {steps} steps at batch {batch}: a rate is usable where the line\n"
+                 f"is below the dotted target; the wider that stretch, the wider the usable range", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     _save(plt, fig, path)

@@ -4,6 +4,7 @@ and the list of the claims this study does not reproduce."""
 
 from __future__ import annotations
 
+from normkit.study import depth, sequence
 from normkit.study import experiment_claims as ec
 from normkit.study.analysis import reference_batch
 from normkit.study.experiments import complete
@@ -20,7 +21,8 @@ def _how(results) -> dict:
     out = {}
     c = cfg("depth")
     if c:
-        out["depth"] = (f"A plain network of 20 hidden layers (Linear 64 -> norm -> ReLU, PyTorch's default "
+        out["depth"] = (f"A plain network of {depth.DEPTH} hidden layers (Linear {depth.WIDTH} -> norm -> ReLU, "
+                        f"PyTorch's default "
                         f"initialisation) on the 40 values of a signal. The gradient of the loss with respect to "
                         f"each layer's output, on 256 training signals, at initialisation and after {c['steps']} "
                         f"SGD steps at batch {c['batch_size']} (peak rate {c['base_lr']:g}, the study's schedule).")
@@ -38,7 +40,8 @@ def _how(results) -> dict:
                          "(training mode, one batch of 32), and single signals in training mode.")
     c = cfg("sequence")
     if c:
-        out["sequence"] = (f"A recurrent network, h(t) = tanh(norm(W_x x(t) + W_h h(t-1))) with 48 units, reading a "
+        out["sequence"] = (f"A recurrent network, h(t) = tanh(norm(W_x x(t) + W_h h(t-1))) with {sequence.HIDDEN} "
+                           f"units, reading a "
                            f"signal left to right in {40 // c['chunk']} steps of {c['chunk']} values, one norm shared "
                            f"by all steps; {c['steps']} AdamW steps (rate {c['lr']:g}) at batch 32, seeds "
                            f"{', '.join(map(str, c['seeds']))}.")

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from normkit.study.train import TrainConfig, train_error, train_model
+from normkit.study.train import TrainConfig, _error, train_error, train_model
 
 __all__ = ["METHODS", "BATCH", "TARGET", "DEFAULT", "QUICK", "run", "reached", "rate_range"]
 
@@ -36,12 +36,7 @@ def run(data, method: str, cfg: dict, seed: int = 0) -> dict:
     runs = []
     for lr in cfg["lrs"]:
         model, info = train_model(data, method, BATCH, seed, TrainConfig(base_lr=lr), steps=cfg["steps"])
-        if info["diverged"]:
-            test = 1.0 - 1.0 / data.n_classes
-        else:
-            model.eval()
-            with torch.no_grad():
-                test = float((model(x_test).argmax(1) != y_test).float().mean())
+        test = 1.0 - 1.0 / data.n_classes if info["diverged"] else _error(model.eval(), x_test, y_test, 1024)
         runs.append({"lr": lr, "diverged": info["diverged"], "final_train_loss": info["final_train_loss"],
                      "test_error": test, "train_error": train_error(model, data, 256, info["diverged"])})
     return {"method": method, "batch_size": BATCH, "steps": cfg["steps"], "target": TARGET, "runs": runs,

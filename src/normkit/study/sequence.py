@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import normkit.nn as nk
-from normkit.study.train import _batches, _train_mode_error, fit, train_error
+from normkit.study.train import _batches, _error, _train_mode_error, fit, train_error
 
 __all__ = ["METHODS", "HIDDEN", "BATCH", "DEFAULT", "QUICK", "StepRNN", "run"]
 
@@ -46,8 +46,8 @@ class StepRNN(nn.Module):
         self.chunk = chunk
         self.inp = nn.Linear(chunk, hidden, bias=method == "none")
         self.rec = nn.Linear(hidden, hidden, bias=False)
-        self.norm = {"none": nn.Identity, "batch": nk.BatchNorm1d, "layer": nk.LayerNorm}[method](hidden) \
-            if method != "none" else nn.Identity()
+        norms = {"batch": nk.BatchNorm1d, "layer": nk.LayerNorm}
+        self.norm = norms[method](hidden) if method in norms else nn.Identity()
         self.head = nn.Linear(hidden, n_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,9 +75,7 @@ def run(data, method: str, cfg: dict) -> dict:
         batches = _batches(len(y_train), BATCH, total, torch.Generator().manual_seed(seed))
         steps, diverged, curve_steps, curve_loss = fit(model, opt, batches, x_train, y_train, total, cfg["lr"],
                                                        max(1, round(WARMUP_FRACTION * total)))
-        model.eval()
-        with torch.no_grad():
-            test = float((model(x).argmax(1) != y).float().mean())
+        test = _error(model.eval(), x, y, 1024)
         runs.append({"seed": seed, "diverged": diverged, "final_train_loss": curve_loss[-1] if curve_loss else
                      float("nan"), "test_error": test,
                      "test_error_train_mode": _train_mode_error(model, x, y, BATCH),
