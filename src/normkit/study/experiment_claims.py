@@ -66,7 +66,9 @@ def lr_row(exp):
 
     def span(r):
         ok = reached(r)
-        return (f"{len(ok)} of {len(lrs)} rates" + (f" ({min(ok):g}-{max(ok):g}, {rate_range(r):.3g}x)" if ok else ""))
+        if len(ok) < 2:
+            return f"{len(ok)} of {len(lrs)} rates" + (f" ({ok[0]:g} only)" if ok else "")
+        return f"{len(ok)} of {len(lrs)} rates ({min(ok):g}-{max(ok):g}, {rate_range(r):.3g}x)"
 
     here = (f"final training loss <= {bn['target']} after {bn['steps']} steps at batch {bn['batch_size']}, rates "
             f"{min(lrs):g}-{max(lrs):g}: BatchNorm at {span(bn)}; none at {span(none)}")
@@ -185,7 +187,7 @@ def batch_one_row(exp):
     calm = [m for m in ("group", "layer") if one[m].get("error") is None and one[m]["alone_change"] <= ALONE_TOL]
     err = one["batch"].get("error") or "no error"
     kind, _, message = err.partition(": ")
-    here = (f"BatchNorm1d on one sample of (N, D) features: {kind} (\"{message[:60]}...\"); "
+    here = (f"BatchNorm1d on one sample of (N, D) features: {kind} (\"{message.split(', got')[0]}\"); "
             f"the CNN's BatchNorm (10 positions per channel) runs, but with each signal alone its test error is "
             f"{pct(one['batch']['alone_error'])} % ({pct(one['batch']['eval_error'])} % in eval mode); GroupNorm, "
             f"LayerNorm: logits move by at most {max(one[m]['alone_change'] for m in ('group', 'layer')):.1e} "

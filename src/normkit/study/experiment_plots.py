@@ -63,9 +63,11 @@ def plot_lr_range(exp, path):
     ax.set_xscale("log")
     ax.set_yscale("log")
     plain = matplotlib_ticker().FuncFormatter(lambda v, _: f"{v:g}")
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
+    ax.xaxis.set_major_formatter(plain)
+    lo, hi = ax.get_ylim()
+    ax.set_yticks([v for v in (0.1, 0.2, 0.3, 0.5, 1, 2, 3) if lo <= v <= hi], minor=False)
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(matplotlib_ticker().NullFormatter())
     ax.text(ax.get_xlim()[0], target, f" target loss {target}", va="bottom", ha="left", fontsize=8)
     ax.set_xlabel("peak learning rate (SGD, log scale)")
     ax.set_ylabel("final training loss (log scale)")
@@ -108,8 +110,9 @@ def plot_drift(exp, path):
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("test error (%), eval mode")
     axes[0].legend(fontsize=8)
-    fig.suptitle("The test data drift after training: BatchNorm's running averages no longer fit; "
-                 "per-sample norms re-measure each input", fontsize=10)
+    fig.suptitle("The test data drift after training, the same change for every input: BatchNorm's running "
+                 "averages no longer fit;\nper-sample norms re-measure each input, which undoes a rescaling but not "
+                 "a shift (except InstanceNorm's, per channel)", fontsize=10)
     _save(plt, fig, path)
 
 

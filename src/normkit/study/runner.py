@@ -123,7 +123,8 @@ def _run(task):
         from normkit.study import experiments  # imports vit, which imports this module
 
         _, name, method, cfg = task
-        return {"experiment": name, "method": method, "result": experiments.run_part(_DATA["data"], name, method, cfg)}
+        result = experiments.run_part(_DATA["data"], name, method, cfg)
+        return {"experiment": name, "method": method, "result": result}
     method, batch_size, seed, protocol = task
     return train_one(_DATA["data"], method, batch_size, seed, protocol["train"],
                      record_shift=_records_shift((method, batch_size, seed), protocol))
@@ -258,7 +259,8 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
         _save(path, results)
 
     start = time.perf_counter()
-    # the grid first, seed by seed; the experiments' parts fill the workers at its end
+    # the grid first, seed by seed; the experiments' parts, longest first, fill the workers at its end
+    exp_todo.sort(key=lambda t: -cost[("experiment", t[0], t[1])])
     tasks = [(m, b, s, protocol) for (m, b, s) in todo] + [("experiment", *t) for t in exp_todo]
     n_all = len(wanted) + sum(len(experiments.EXPERIMENTS[k][0]) for k in stored)
     finished = [n_all - len(tasks)]
