@@ -49,12 +49,10 @@ def _how(results) -> dict:
 
 
 def _rows(results):
-    ref = reference_batch(results["protocol"]["batch_sizes"])
     robust = complete(results, "robust")
     return {"depth": [ec.depth_row(complete(results, "depth"))],
             "lr_range": [ec.lr_row(complete(results, "lr_range"))],
-            "regularize": [ec.regularize_row(results, b) for b in sorted(results["protocol"]["batch_sizes"])
-                           if b >= 8 or b == ref],
+            "regularize": [ec.regularize_row(results, b) for b in sorted(results["protocol"]["batch_sizes"])],
             "robust": [ec.scale_row(robust), ec.style_row(robust), ec.drift_row(robust), ec.batch_one_row(robust)],
             "sequence": [ec.sequence_row(complete(results, "sequence"))]}
 

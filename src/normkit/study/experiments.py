@@ -38,7 +38,7 @@ def _vit_part(data, method, cfg):
     return {"method": method, "runs": runs, "seconds": time.perf_counter() - start}
 
 
-# name -> (methods, default config, quick config, run(data, method, config), relative cost per step)
+# name -> (methods, default config, quick config, run(data, method, config))
 EXPERIMENTS = {
     "depth": (depth.METHODS, depth.DEFAULT, depth.QUICK, depth.run),
     "lr_range": (lr_range.METHODS, lr_range.DEFAULT, lr_range.QUICK, lr_range.run),

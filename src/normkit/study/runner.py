@@ -24,10 +24,11 @@ import json
 import os
 import time
 
-from normkit._atomic import write_text_atomic
 from normkit.study import data as data_module
+from normkit.study import experiments
 from normkit.study import model as model_module
 from normkit.study.analysis import reference_batch
+from normkit.study.pool import DATA, execute, one_thread, save_json
 from normkit.study.train import TrainConfig, run_steps, train_one
 
 __all__ = ["DEFAULTS", "QUICK", "SWEPT", "SHIFT_METHODS", "plan", "run_study", "load_results",
@@ -90,85 +91,22 @@ def load_results(path) -> dict | None:
         return json.load(f)
 
 
-def _save(path, results):
-    write_text_atomic(path, json.dumps(results, indent=1, allow_nan=True))
-
-
-# the data, loaded once in the main process and handed to each worker when it starts
-_DATA = {}
-
-
-def _init_worker(dataset):
-    _DATA["data"] = dataset
-
-
-def _one_thread():
-    """One compute thread for torch and for numba (normkit's CPU kernels): the tensors are
-    tiny, so threads only add overhead -- and oversubscribe the CPUs with two workers."""
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        import numba
-    except ImportError:
-        return
-    numba.set_num_threads(1)
-
-
 def _run(task):
     """A grid run ``(method, batch, seed, protocol)`` or an experiment's part
     ``("experiment", name, method, config)``."""
-    _one_thread()
+    one_thread()
     if task[0] == "experiment":
-        from normkit.study import experiments  # imports vit, which imports this module
-
         _, name, method, cfg = task
-        result = experiments.run_part(_DATA["data"], name, method, cfg)
+        result = experiments.run_part(DATA["data"], name, method, cfg)
         return {"experiment": name, "method": method, "result": result}
     method, batch_size, seed, protocol = task
-    return train_one(_DATA["data"], method, batch_size, seed, protocol["train"],
+    return train_one(DATA["data"], method, batch_size, seed, protocol["train"],
                      record_shift=_records_shift((method, batch_size, seed), protocol))
 
 
 def _fingerprint(protocol):
     """The parts of the protocol that must match for old runs to be reused."""
     return {k: protocol.get(k) for k in ("dataset", "n_train", "n_test", "train", "layer_source", "model")}
-
-
-def execute(run, tasks, data, jobs, done) -> None:
-    """``done(run(task))`` for every task, in ``jobs`` worker processes (each given ``data``
-    once, at start) or in this process when ``jobs`` is 1; ``run`` must be a module-level
-    function that reads the data from ``_DATA["data"]``."""
-    if jobs > 1 and len(tasks) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        # spawn, not fork: forked workers inherit torch's and numba's thread-pool state and
-        # ran ten times slower here. Spawn re-imports the caller's main module only when it is
-        # a script (the `normkit` script has a main guard) -- never for `python -m normkit`.
-        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(data,))
-        try:
-            for fut in as_completed([pool.submit(run, task) for task in tasks]):
-                done(fut.result())
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        return
-    import torch
-
-    threads = torch.get_num_threads()
-    _init_worker(data)
-    try:
-        for task in tasks:
-            done(run(task))
-    finally:
-        torch.set_num_threads(threads)
-        try:
-            import numba
-
-            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-        except ImportError:
-            pass
 
 
 MODELS = {
@@ -184,8 +122,6 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
     :mod:`normkit.study.experiments`, resuming from ``out_dir/results.json``; return the
     results dict (protocol, runs, experiments, elapsed time). The report is made separately
     (see ``report``)."""
-    from normkit.study import experiments  # imports vit, which imports this module
-
     if dataset not in data_module.DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(data_module.DATASETS)}")
     base = (QUICK if quick else DEFAULTS)[dataset]
@@ -256,7 +192,7 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
         order = [t for t in plan(methods, batch_sizes, seeds, all_batches) if t in runs]
         results["runs"] = [runs[t] for t in order] + [r for t, r in runs.items() if t not in wanted]
         results["elapsed_seconds"] = elapsed_before + (time.perf_counter() - start)
-        _save(path, results)
+        save_json(path, results)
 
     start = time.perf_counter()
     # the grid first, seed by seed; the experiments' parts, longest first, fill the workers at its end
