@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from normkit.study.analysis import NAMES, pct
+from normkit.study.analysis import NAMES, pct, reference_batch
 from normkit.study.depth import spread
 from normkit.study.lr_range import rate_range, reached
 
@@ -34,7 +34,7 @@ def _name(m):
 
 
 def depth_row(exp):
-    """Claim 1: per-layer gradient norms of the deep plain network (module ``depth``)."""
+    """Row 6: per-layer gradient norms of the deep plain network (module ``depth``)."""
     if exp is None:
         return None
     parts = exp["parts"]
@@ -58,7 +58,7 @@ def depth_row(exp):
 
 
 def lr_row(exp):
-    """Claim 2: the learning rates at which BatchNorm and none reach the target loss."""
+    """Row 7: the learning rates at which BatchNorm and none reach the target loss."""
     if exp is None:
         return None
     none, bn = exp["parts"]["none"], exp["parts"]["batch"]
@@ -78,7 +78,7 @@ def lr_row(exp):
 
 
 def scale_row(exp):
-    """Claim 3: scaling the weight before BatchNorm (module ``probes``)."""
+    """Row 8: scaling the weight before BatchNorm (module ``probes``)."""
     if exp is None:
         return None
     bn, none = exp["parts"]["batch"]["weight_scale"], exp["parts"]["none"]["weight_scale"]
@@ -103,7 +103,7 @@ def regularize_gaps(results, method, batch):
 
 
 def regularize_row(results, batch):
-    """Claim 4: BatchNorm's generalization gap against GroupNorm's at ``batch`` (grid runs)."""
+    """Row 9: BatchNorm's generalization gap against GroupNorm's at ``batch`` (grid runs)."""
     bn, gn = regularize_gaps(results, "batch", batch), regularize_gaps(results, "group", batch)
     if not bn or not gn:
         return None
@@ -123,7 +123,7 @@ def _increase(curve):
 
 
 def style_row(exp):
-    """Claim 5: test error under per-signal contrast and brightness (module ``robust``)."""
+    """Row 10: test error under per-signal contrast and brightness (module ``robust``)."""
     if exp is None:
         return None
     parts = exp["parts"]
@@ -137,7 +137,7 @@ def style_row(exp):
 
 
 def sequence_row(exp):
-    """Claim 6: the recurrent network with BatchNorm and LayerNorm (module ``sequence``)."""
+    """Row 11: the recurrent network with BatchNorm and LayerNorm (module ``sequence``)."""
     if exp is None:
         return None
 
@@ -159,7 +159,7 @@ def sequence_row(exp):
 
 
 def drift_row(exp):
-    """Claim 7: test error when every test input is shifted or rescaled (module ``robust``)."""
+    """Row 12: test error when every test input is shifted or rescaled (module ``robust``)."""
     if exp is None:
         return None
     parts = exp["parts"]
@@ -178,7 +178,7 @@ def drift_row(exp):
 
 
 def batch_one_row(exp):
-    """Claim 9: a batch of one in training mode (module ``probes``)."""
+    """Row 14: a batch of one in training mode (module ``probes``)."""
     if exp is None:
         return None
     parts = exp["parts"]
@@ -198,11 +198,9 @@ def batch_one_row(exp):
 
 
 def experiment_rows(results, complete) -> list:
-    """The rows of claims 1-7 and 9 that ``results`` can test, in the issue's order (the
+    """Rows 6-12 of the claims table (see docs/study.md) that ``results`` can test (the
     transformer's row is :func:`normkit.study.claims._vit`); ``complete(results, name)``
     returns an experiment when all its parts are done."""
-    from normkit.study.analysis import reference_batch
-
     ref = reference_batch(results["protocol"]["batch_sizes"])
     rows = [depth_row(complete(results, "depth")), lr_row(complete(results, "lr_range")),
             scale_row(complete(results, "robust")), regularize_row(results, ref),

@@ -58,7 +58,7 @@ def _rows(results):
 
 
 def experiment_blocks(results, plots) -> list:
-    """The section of the report on claims 1-7 and 9 (the transformer has its own)."""
+    """The section of the report on rows 6-12 and 14 (the transformer, row 13, has its own)."""
     how = _how(results)
     rows = _rows(results)
     titles = {"depth": "Gradients through depth", "lr_range": "Learning rates",
