@@ -82,13 +82,13 @@ def experiment_blocks(results, plots) -> list:
                                 "against GroupNorm at the same batch size; the claims table uses batch "
                                 f"{reference_batch(results['protocol']['batch_sizes'])}."))
         blocks.append(("ul", [f"{r[0]}: {r[3]} -- {r[4]}" for r in found]))
+        error = complete(results, "robust")["parts"]["batch"]["batch_of_one"].get("error") if key == "robust" else None
+        if error:
+            blocks.append(("p", f"The error normkit's BatchNorm1d raises for a batch of one (N, D) in training "
+                                f"mode: {error}"))
         for plot, caption in figures.get(key, []):
             if plot in plots:
                 blocks.append(("img", plots[plot], caption))
-    robust = complete(results, "robust")
-    if robust and robust["parts"]["batch"]["batch_of_one"].get("error"):
-        blocks.append(("p", "The error normkit's BatchNorm1d raises for a batch of one (N, D) in training mode: "
-                            + robust["parts"]["batch"]["batch_of_one"]["error"]))
     return blocks
 
 
