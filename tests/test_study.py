@@ -17,7 +17,8 @@ from normkit.study import analysis, data, model, report, runner, shift, train  #
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("study-batch-size.png", "study-loss-curves.png", "study-bn-train-eval.png", "study-train-loss.png",
-         "study-covariate-shift.png")
+         "study-covariate-shift.png", "study-depth-gradients.png", "study-lr-range.png", "study-style.png",
+         "study-drift.png", "study-vit.png")
 TIMING = ("seconds", "cpu_seconds")
 
 
@@ -88,13 +89,16 @@ def test_report_numbers_agree_with_results(quick):
 def test_resume_reuses_finished_runs(tmp_path):
     from normkit.study.runner import run_study
 
-    first = run_study(tmp_path, methods=["none"], batch_sizes=[16], seeds=[0], quick=True, progress=False)
-    again = run_study(tmp_path, methods=["none"], batch_sizes=[16], seeds=[0, 1], quick=True, progress=False)
+    first = run_study(tmp_path, methods=["none"], batch_sizes=[16], seeds=[0], quick=True, progress=False,
+                      extra=False)
+    again = run_study(tmp_path, methods=["none"], batch_sizes=[16], seeds=[0, 1], quick=True, progress=False,
+                      extra=False)
     assert len(again["runs"]) == 2
     assert again["runs"][0] == first["runs"][0]           # reused, not retrained
     assert again["runs"][1]["seed"] == 1
     with pytest.raises(ValueError, match="--fresh"):
-        run_study(tmp_path, methods=["none"], batch_sizes=[16], seeds=[0], epochs=2, quick=True, progress=False)
+        run_study(tmp_path, methods=["none"], batch_sizes=[16], seeds=[0], epochs=2, quick=True, progress=False,
+                  extra=False)
 
 
 def test_same_command_twice_same_results(quick, tmp_path):
@@ -155,6 +159,7 @@ def test_digits_still_available(tmp_path):
                          dataset="digits")
     assert r["protocol"]["dataset"] == "digits" and r["runs"][0]["steps"] == 192 // 8
     assert "shift" not in r["runs"][0]
+    assert r["experiments"] == {}  # the further claims' experiments are MNIST-1D's
 
 
 def test_layers_are_normkit_layers():
@@ -341,7 +346,7 @@ def test_claims_verdicts_follow_the_numbers():
     from normkit.study import claims
 
     def verdicts(r):
-        return {row[0]: row[3] for row in claims.claims(r, analysis.summarize(r), None)}
+        return {row[0]: row[-1] for row in claims.claims(r, analysis.summarize(r), None)}
 
     small = "BatchNorm fails at small batch; GroupNorm does not"
     free = "LayerNorm, GroupNorm, InstanceNorm do not depend on the batch"
@@ -350,3 +355,32 @@ def test_claims_verdicts_follow_the_numbers():
     assert v[small] == "no" and v[free] == "yes"
     rows = claims.claims(None, None, None)
     assert rows == []
+
+
+def test_quick_runs_every_experiment(quick):
+    from normkit.study import experiments
+
+    r = json.loads((quick / "results.json").read_text())
+    for name, spec in experiments.EXPERIMENTS.items():
+        assert experiments.complete(r, name) is not None, name
+        assert set(r["experiments"][name]["parts"]) == set(spec[0])
+    assert all("train_error" in x for x in r["runs"])
+    md = (quick / "report.md").read_text()
+    names = [row.split("|")[1].strip() for row in md.splitlines() if row.startswith("| ")][1:]
+    for claim in ("Gradients stay stable with depth", "BatchNorm allows larger learning rates",
+                  "The weights' scale no longer sets the activations' scale", "Mini-batch noise regularizes mildly",
+                  "InstanceNorm removes style (contrast, brightness)", "BatchNorm suits sequence models poorly",
+                  "BatchNorm suits distribution drift poorly",
+                  "Transformers (SigLIP) normalize each token with LayerNorm, not BatchNorm",
+                  "BatchNorm cannot normalize a batch of one in training"):
+        assert claim in names, claim
+    assert "## Where this study disagrees with the articles" in md
+
+
+@pytest.mark.parametrize("module", ["runner", "vit", "experiments", "report"])
+def test_each_study_module_imports_first(module):
+    # a spawned worker imports the runner first: no import cycle may depend on the order
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", f"import normkit.study.{module}"], check=True)

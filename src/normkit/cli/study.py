@@ -33,6 +33,9 @@ def register(subparsers) -> None:
     p.add_argument("--all-batches", action="store_true",
                    help="train every method at every batch size (default: only BatchNorm, BatchRenorm and "
                         "GroupNorm; the others at the smallest, 32 and the largest)")
+    p.add_argument("--grid-only", action="store_true",
+                   help="only the batch-size grid: leave out the experiments of the further claims (depth, "
+                        "learning rates, style, drift, a recurrent net, a short transformer run; about a minute)")
     p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2; --quick: 0)")
     p.add_argument("--epochs", type=int, help="epochs for every batch size (default: mnist1d 1, digits 4; "
                                               "--quick: 1)")
@@ -66,7 +69,8 @@ def run(args) -> int:
                             seeds=_ints(args.seeds) if args.seeds else None, epochs=args.epochs,
                             quick=args.quick, jobs=args.jobs, fresh=args.fresh,
                             progress=not args.no_progress, base_lr=args.lr, dataset=args.dataset,
-                            all_batches=args.all_batches, min_steps=args.min_steps)
+                            all_batches=args.all_batches, min_steps=args.min_steps,
+                            extra=not args.grid_only)
     except ValueError as e:
         print(f"normkit study: {e}", file=sys.stderr)
         return 2

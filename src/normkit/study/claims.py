@@ -2,7 +2,7 @@
 in the paper it comes from, the size measured here and a verdict -- all computed from the
 results, none written in advance.
 
-``claims(results, summary, vit)`` returns rows ``[claim, paper, here, verdict]``; either
+``claims(results, summary, vit)`` returns rows ``[claim, source, paper, here, verdict]``; either
 ``results`` (the CNN grid) or ``vit`` (the transformer runs) may be None, and a claim whose
 runs are missing is left out.
 """
@@ -13,11 +13,13 @@ import math
 
 from normkit.study.analysis import (NAMES, PAPER, STEADIER, crossover, pct, reference_batch,
                                     steps_to_target, target_loss)
+from normkit.study.experiment_claims import A1, A2, BOTH, batch_one_row, experiment_rows
+from normkit.study.experiments import complete
 from normkit.study.shift import movement
 
 __all__ = ["HEADER", "claims"]
 
-HEADER = ["claim of the articles", "paper", "here", "reproduced?"]
+HEADER = ["claim of the articles", "from", "paper or article", "here", "reproduced?"]
 
 
 def _verdict(ok) -> str:
@@ -44,7 +46,7 @@ def _speed(results, summary):
         here = (f"loss {target} at batch {ref}: none step {s_none:.0f}, BatchNorm {s_bn:.0f} "
                 f"({s_none / s_bn:.1f}x fewer)")
         ok = s_bn < s_none
-    return ["Normalization speeds up training", "BatchNorm paper: Inception's accuracy in 14x fewer steps", here,
+    return ["Normalization speeds up training", A1, "BatchNorm paper: Inception's accuracy in 14x fewer steps", here,
             _verdict(ok)]
 
 
@@ -60,7 +62,7 @@ def _small_batch(results, summary):
             f"{pct(gn_s['test_error']['mean'])} % at {small}")
     paper = (f"GroupNorm paper: BatchNorm {PAPER['batch'][2]} % at 2, {PAPER['batch'][32]} % at 32 "
              f"(+{PAPER['batch'][2] - PAPER['batch'][32]:.1f}); GroupNorm {PAPER['group'][2]} % at 2")
-    return ["BatchNorm fails at small batch; GroupNorm does not", paper, here,
+    return ["BatchNorm fails at small batch; GroupNorm does not", BOTH, paper, here,
             _verdict(c["ok_large"] and c["ok_group"])]
 
 
@@ -76,7 +78,7 @@ def _batch_free(results, summary):
               if gn else "")
     here = (f"a sample's logits move by at most {dep:.1e} when its batch-mates change (BatchNorm: >= {bn_dep:.2f})"
             + spread)
-    return ["LayerNorm, GroupNorm, InstanceNorm do not depend on the batch",
+    return ["LayerNorm, GroupNorm, InstanceNorm do not depend on the batch", A2,
             "GroupNorm paper: GroupNorm 24.0-24.2 % from 32 to 2 per GPU (0.2 points)", here,
             _verdict(dep < 1e-4 < bn_dep)]
 
@@ -89,7 +91,7 @@ def _train_eval(results, summary):
     gap = cell["test_error_train_mode"]["mean"] - cell["test_error"]["mean"]
     here = (f"BatchNorm's test error with batch statistics minus with running averages: {100 * gap:+.2f} points "
             f"at batch {bs[0]}")
-    return ["BatchNorm differs between training and eval", "articles: running averages replace batch statistics "
+    return ["BatchNorm differs between training and eval", A2, "articles: running averages replace batch statistics "
             "at inference (no number)", here, _verdict(abs(gap) > 0.005)]
 
 
@@ -100,7 +102,7 @@ def _shift(results):
     none, bn = movement(runs["none"]["shift"])[50], movement(runs["batch"]["shift"])[50]
     here = (f"median of a channel's input to ReLU travels {none:.2f} spreads without normalization, {bn:.2f} "
             f"with BatchNorm")
-    return ["Normalization fights the shift of each layer's input (internal covariate shift)",
+    return ["Normalization fights the shift of each layer's input (internal covariate shift)", BOTH,
             "BatchNorm paper, Figure 1: percentiles drift without BatchNorm, stay put with it (no number)", here,
             _verdict(bn < STEADIER * none)]
 
@@ -136,17 +138,22 @@ def _vit(vit):
     verdict = ("yes" if trains and alone and ahead else
                "partly: LayerNorm trains at every rate and keeps tokens batch-independent, but is not the best "
                "here" if trains and alone else "no")
-    return ["Transformers (SigLIP) normalize each token with LayerNorm, not BatchNorm",
+    return ["Transformers (SigLIP) normalize each token with LayerNorm, not BatchNorm", A1,
             "SigLIP's vision tower: LayerNorm in every block and post_layernorm (design, no number)", here,
             verdict]
 
 
 def claims(results: dict | None, summary: dict | None, vit: dict | None) -> list:
-    """Rows ``[claim, paper, here, verdict]`` for the claims the available runs can test."""
+    """Rows ``[claim, source, paper, here, verdict]`` for the claims the available runs can
+    test: the grid's five, the experiments' (:mod:`normkit.study.experiment_claims`), the
+    transformer's, and the batch of one."""
     rows = []
     if results is not None:
         rows += [_speed(results, summary), _small_batch(results, summary), _train_eval(results, summary),
                  _batch_free(results, summary), _shift(results)]
+        rows += experiment_rows(results, complete)
     if vit is not None:
         rows.append(_vit(vit))
+    if results is not None:
+        rows.append(batch_one_row(complete(results, "robust")))
     return [r for r in rows if r is not None]

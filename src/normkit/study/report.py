@@ -16,6 +16,7 @@ import os
 from normkit.study import analysis
 from normkit.study.analysis import NAMES, PAPER, pct, reference_batch, target_loss
 from normkit.study.claims import HEADER, claims
+from normkit.study.experiment_report import disagreements, experiment_blocks
 
 __all__ = ["build", "render_markdown", "render_html", "write_report", "error_table"]
 
@@ -112,7 +113,9 @@ def _vit_blocks(vit, plot) -> list:
         ("ul", analysis.vit_findings(vit)),
         ("img", plot, f"Training loss per norm at each peak learning rate; dotted: the target loss "
                       f"{p['target_loss']}."),
-        ("p", f"Wall time of the transformer runs: {vit['elapsed_seconds']:.0f} s "
+        ("p", (f"The default study's short run ({p['steps']} steps; `normkit study --model vit` trains longer): "
+               if p.get("in_study") else "") + f"the transformer runs took {vit['elapsed_seconds']:.0f} s "
+              f"{'summed over runs ' if p.get('in_study') else ''}"
               f"({sum(r['cpu_seconds'] for r in vit['runs']):.0f} CPU seconds)."),
     ]
 
@@ -151,17 +154,19 @@ def _protocol_blocks(results, summary) -> list:
 
 
 def build(results, summary, found, plots, vit=None, vit_plot=None) -> list:
-    """The report's blocks: the claims, then the CNN study (``results``, may be None), the
-    transformer (``vit``, may be None) and the protocol."""
+    """The report's blocks: the claims and where they disagree, then the CNN study
+    (``results``, may be None), the experiments, the transformer (``vit``, may be None) and
+    the protocol."""
     blocks = [("h1", "normkit study: what normalization does, and when each kind fails")]
     if (results or vit)["protocol"].get("quick"):
         blocks.append(("p", "This is a --quick run (a few hundred inputs, a few steps): it checks that the "
                             "pipeline works and its numbers mean nothing. Run `normkit study` for the real one."))
     rows = claims(results, summary, vit)
     if rows:
-        blocks += [("h2", "The articles' claims, tested"), ("table", HEADER, rows)]
+        blocks += [("h2", "The articles' claims, tested"), ("table", HEADER, rows), *disagreements(rows)]
     if results is not None:
         blocks += _grid_blocks(results, summary, found, plots)
+        blocks += experiment_blocks(results, plots)
     if vit is not None:
         blocks += _vit_blocks(vit, vit_plot)
     if results is not None:
@@ -226,6 +231,8 @@ def write_report(results, out_dir, vit=None) -> dict | None:
     report.html into ``out_dir``; return the results dict as written. ``results`` (the CNN
     grid) or ``vit`` (the transformer runs) may be None; when ``vit`` is None and
     ``out_dir`` holds vit-results.json from an earlier ``--model vit``, that is reported too."""
+    from normkit.study.experiment_plots import plot_experiments
+    from normkit.study.experiments import complete, vit_results
     from normkit.study.plots import VIT_PLOT, plot_all, plot_vit
     from normkit.study.runner import RESULTS_FILE, load_results
     from normkit.study.vit import VIT_FILE
@@ -234,11 +241,14 @@ def write_report(results, out_dir, vit=None) -> dict | None:
         vit = load_results(os.path.join(out_dir, VIT_FILE))
     if results is None:
         results = load_results(os.path.join(out_dir, RESULTS_FILE))
+    if vit is None and results is not None:
+        vit = vit_results(results)  # the default study's short run, when no --model vit run is there
     summary = found = plots = None
     if results is not None:
         summary = analysis.summarize(results)
         found = analysis.findings(results, summary)
         plots = plot_all(results, summary, out_dir)
+        plots.update(plot_experiments(results, out_dir, complete))
         results = dict(results, summary=summary, findings=found)
         with open(os.path.join(out_dir, RESULTS_FILE), "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1, allow_nan=True)

@@ -24,10 +24,11 @@ import json
 import os
 import time
 
-from normkit._atomic import write_text_atomic
 from normkit.study import data as data_module
+from normkit.study import experiments
 from normkit.study import model as model_module
 from normkit.study.analysis import reference_batch
+from normkit.study.pool import DATA, execute, one_thread, save_json
 from normkit.study.train import TrainConfig, run_steps, train_one
 
 __all__ = ["DEFAULTS", "QUICK", "SWEPT", "SHIFT_METHODS", "plan", "run_study", "load_results",
@@ -90,77 +91,22 @@ def load_results(path) -> dict | None:
         return json.load(f)
 
 
-def _save(path, results):
-    write_text_atomic(path, json.dumps(results, indent=1, allow_nan=True))
-
-
-# the data, loaded once in the main process and handed to each worker when it starts
-_DATA = {}
-
-
-def _init_worker(dataset):
-    _DATA["data"] = dataset
-
-
-def _one_thread():
-    """One compute thread for torch and for numba (normkit's CPU kernels): the tensors are
-    tiny, so threads only add overhead -- and oversubscribe the CPUs with two workers."""
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        import numba
-    except ImportError:
-        return
-    numba.set_num_threads(1)
-
-
 def _run(task):
+    """A grid run ``(method, batch, seed, protocol)`` or an experiment's part
+    ``("experiment", name, method, config)``."""
+    one_thread()
+    if task[0] == "experiment":
+        _, name, method, cfg = task
+        result = experiments.run_part(DATA["data"], name, method, cfg)
+        return {"experiment": name, "method": method, "result": result}
     method, batch_size, seed, protocol = task
-    _one_thread()
-    return train_one(_DATA["data"], method, batch_size, seed, protocol["train"],
+    return train_one(DATA["data"], method, batch_size, seed, protocol["train"],
                      record_shift=_records_shift((method, batch_size, seed), protocol))
 
 
 def _fingerprint(protocol):
     """The parts of the protocol that must match for old runs to be reused."""
     return {k: protocol.get(k) for k in ("dataset", "n_train", "n_test", "train", "layer_source", "model")}
-
-
-def execute(run, tasks, data, jobs, done) -> None:
-    """``done(run(task))`` for every task, in ``jobs`` worker processes (each given ``data``
-    once, at start) or in this process when ``jobs`` is 1; ``run`` must be a module-level
-    function that reads the data from ``_DATA["data"]``."""
-    if jobs > 1 and len(tasks) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        # spawn, not fork: forked workers inherit torch's and numba's thread-pool state and
-        # ran ten times slower here. Spawn re-imports the caller's main module only when it is
-        # a script (the `normkit` script has a main guard) -- never for `python -m normkit`.
-        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(data,))
-        try:
-            for fut in as_completed([pool.submit(run, task) for task in tasks]):
-                done(fut.result())
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        return
-    import torch
-
-    threads = torch.get_num_threads()
-    _init_worker(data)
-    try:
-        for task in tasks:
-            done(run(task))
-    finally:
-        torch.set_num_threads(threads)
-        try:
-            import numba
-
-            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-        except ImportError:
-            pass
 
 
 MODELS = {
@@ -171,9 +117,11 @@ MODELS = {
 
 def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, quick=False, jobs=None,
               fresh=False, progress=True, base_lr=None, dataset="mnist1d", all_batches=False,
-              min_steps=None) -> dict:
-    """Train the grid, resuming from ``out_dir/results.json``; return the results dict
-    (protocol, runs, elapsed time). The report is made separately (see ``report``)."""
+              min_steps=None, extra=True) -> dict:
+    """Train the grid and, with ``extra`` on MNIST-1D, the experiments of
+    :mod:`normkit.study.experiments`, resuming from ``out_dir/results.json``; return the
+    results dict (protocol, runs, experiments, elapsed time). The report is made separately
+    (see ``report``)."""
     if dataset not in data_module.DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(data_module.DATASETS)}")
     base = (QUICK if quick else DEFAULTS)[dataset]
@@ -224,7 +172,19 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
     wanted = set(plan(methods, batch_sizes, seeds, all_batches))
     n_train = protocol["train_images"]
     cost = {t: _cost(run_steps(n_train, t[1], epochs, min_steps), t[1]) for t in todo}
-    results = {"normkit_study": 1, "protocol": protocol, "runs": [], "elapsed_seconds": 0.0}
+    stored = dict(old.get("experiments", {})) if old else {}
+    exp_todo = []
+    if extra and dataset == "mnist1d":
+        cfgs = experiments.configs(quick, protocol["train"])
+        exp_todo = experiments.tasks(cfgs, stored)
+        for name, cfg in cfgs.items():
+            if stored.get(name, {}).get("config") != cfg:
+                stored[name] = {"config": cfg, "parts": {}}
+        at_32 = run_steps(n_train, 32, epochs, min_steps)
+        cost.update({("experiment", name, m): _cost(experiments.cost(name, cfg, at_32), 32)
+                     for name, m, cfg in exp_todo})
+    results = {"normkit_study": 1, "protocol": protocol, "runs": [], "experiments": stored,
+               "elapsed_seconds": 0.0}
     elapsed_before = float(old.get("elapsed_seconds", 0.0)) if old else 0.0
 
     def store():
@@ -232,25 +192,34 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
         order = [t for t in plan(methods, batch_sizes, seeds, all_batches) if t in runs]
         results["runs"] = [runs[t] for t in order] + [r for t, r in runs.items() if t not in wanted]
         results["elapsed_seconds"] = elapsed_before + (time.perf_counter() - start)
-        _save(path, results)
+        save_json(path, results)
 
     start = time.perf_counter()
-    tasks = [(m, b, s, protocol) for (m, b, s) in todo]
+    # the grid first, seed by seed; the experiments' parts, longest first, fill the workers at its end
+    exp_todo.sort(key=lambda t: -cost[("experiment", t[0], t[1])])
+    tasks = [(m, b, s, protocol) for (m, b, s) in todo] + [("experiment", *t) for t in exp_todo]
+    n_all = len(wanted) + sum(len(experiments.EXPERIMENTS[k][0]) for k in stored)
+    finished = [n_all - len(tasks)]
     bar = None
-    if progress and todo:
+    if progress and tasks:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=sum(cost.values()), dynamic_ncols=True,
                    bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed} elapsed, {remaining} left]")
-        bar.set_description_str(f"{len(wanted) - len(todo)}/{len(wanted)} runs")
+        bar.set_description_str(f"{finished[0]}/{n_all} runs")
 
     def done(r):
-        key = (r["method"], r["batch_size"], r["seed"])
-        runs[key] = r
+        if "experiment" in r:
+            key = ("experiment", r["experiment"], r["method"])
+            stored[r["experiment"]]["parts"][r["method"]] = r["result"]
+        else:
+            key = (r["method"], r["batch_size"], r["seed"])
+            runs[key] = r
         store()
         if bar is not None:
             bar.update(cost[key])
-            bar.set_description_str(f"{len(runs)}/{len(wanted)} runs")
+            finished[0] += 1
+            bar.set_description_str(f"{finished[0]}/{n_all} runs")
 
     try:
         execute(_run, tasks, data, jobs, done)

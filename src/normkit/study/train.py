@@ -27,6 +27,8 @@ Measured at the end of the run
   fed in batches of ``B`` (BatchNorm then uses each test batch's own statistics); the
   running averages are left untouched (the forward runs on a copy). For the methods that
   do not depend on the batch the two errors are equal;
+* ``train_error``: error in eval mode on the first 5000 training signals, so that
+  ``test_error - train_error`` is the run's generalization gap;
 * ``batch_dependence``: the largest change of one image's logits, in training mode, when
   the other ``B - 1`` images of its batch are swapped for different ones. Zero (up to
   rounding) for the per-sample methods, large for BatchNorm;
@@ -53,10 +55,12 @@ import torch.nn.functional as F
 from normkit.study.model import build_model
 from normkit.study.shift import ShiftRecorder
 
-__all__ = ["TrainConfig", "train_one", "fit", "evaluate", "learning_rate", "run_steps"]
+__all__ = ["TrainConfig", "train_one", "train_model", "train_error", "fit", "evaluate", "learning_rate",
+           "run_steps"]
 
 REFERENCE_BATCH = 32  # the batch size at which lr == base_lr
 CURVE_POINTS = 60     # windows in a run's training-loss curve (at most)
+TRAIN_PROBE = 5000    # training signals on which the training error is measured
 
 
 class TrainConfig(dict):
@@ -176,37 +180,65 @@ def _batches(n, batch_size, total, gen):
         step += n // batch_size
 
 
+def train_model(data, method: str, batch_size: int, seed: int, config: TrainConfig, after_step=None,
+                net=None, steps: int | None = None):
+    """Train ``net(total_steps)`` (default: the study's CNN with ``method``) on ``data`` with
+    the protocol of the module docstring, for ``steps`` steps if given (else the budget of
+    ``config``); return ``(model, info)``, info holding the run's ``lr``, ``steps``,
+    ``diverged`` and loss curve. ``after_step(model, total)`` returns a per-step callback
+    (the covariate-shift recorder)."""
+    x_train, y_train = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    n = len(y_train)
+    if batch_size > n:
+        raise ValueError(f"batch size {batch_size} is larger than the {n} training images; "
+                         f"pass smaller --batch-sizes")
+    total = steps or run_steps(n, batch_size, config["epochs"], config.get("min_steps", 0))
+    torch.manual_seed(seed)
+    model = net(total) if net is not None else build_model(method, data.spatial, data.n_classes, total)
+    warmup = min(total, max(1, round(config["warmup_fraction"] * total)))
+    peak_lr = learning_rate(config["base_lr"], batch_size)
+    opt = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=config["momentum"],
+                          weight_decay=config["weight_decay"])
+    gen = torch.Generator().manual_seed(seed)
+    callback = after_step(model, total) if after_step is not None else None
+    step, diverged, curve_steps, curve_loss = fit(
+        model, opt, _batches(n, batch_size, total, gen), x_train, y_train, total, peak_lr, warmup, callback)
+    return model, {"lr": peak_lr, "steps": step, "diverged": diverged,
+                   "final_train_loss": curve_loss[-1] if curve_loss else float("nan"),
+                   "loss_curve": {"step": curve_steps, "loss": [round(v, 5) for v in curve_loss]}}
+
+
 def train_one(data, method: str, batch_size: int, seed: int, config: TrainConfig,
               record_shift: bool = False) -> dict:
     """Train the study's CNN with ``method`` on ``data`` with ``batch_size`` and ``seed``;
     return its numbers (see the module docstring). ``record_shift`` also follows the last
     block's pre-activation over training (:class:`~normkit.study.shift.ShiftRecorder`)."""
     start, cpu_start = time.perf_counter(), time.process_time()
-    x_train, y_train = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     x_test, y_test = torch.from_numpy(data.x_test), torch.from_numpy(data.y_test)
-    n = len(y_train)
-    if batch_size > n:
-        raise ValueError(f"batch size {batch_size} is larger than the {n} training images; "
-                         f"pass smaller --batch-sizes")
-    total = run_steps(n, batch_size, config["epochs"], config.get("min_steps", 0))
-    torch.manual_seed(seed)
-    model = build_model(method, data.spatial, data.n_classes, total)
-    warmup = min(total, max(1, round(config["warmup_fraction"] * total)))
-    peak_lr = learning_rate(config["base_lr"], batch_size)
-    opt = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=config["momentum"],
-                          weight_decay=config["weight_decay"])
-    gen = torch.Generator().manual_seed(seed)
-    recorder = ShiftRecorder(model, x_test, total) if record_shift else None
-    step, diverged, curve_steps, curve_loss = fit(
-        model, opt, _batches(n, batch_size, total, gen), x_train, y_train, total, peak_lr, warmup,
-        recorder.after_step if recorder is not None else None)
-    out = {"method": method, "batch_size": batch_size, "seed": seed, "lr": peak_lr, "steps": step,
-           "diverged": diverged,
-           **evaluate(model, x_test, y_test, batch_size, config["eval_batch"], diverged, data.n_classes),
-           "final_train_loss": curve_loss[-1] if curve_loss else float("nan"),
-           "loss_curve": {"step": curve_steps, "loss": [round(v, 5) for v in curve_loss]},
+    recorders = []
+
+    def record(model, total):
+        recorders.append(ShiftRecorder(model, x_test, total))
+        return recorders[0].after_step
+
+    model, info = train_model(data, method, batch_size, seed, config, record if record_shift else None)
+    out = {"method": method, "batch_size": batch_size, "seed": seed, "lr": info["lr"], "steps": info["steps"],
+           "diverged": info["diverged"],
+           **evaluate(model, x_test, y_test, batch_size, config["eval_batch"], info["diverged"], data.n_classes),
+           "train_error": train_error(model, data, config["eval_batch"], info["diverged"]),
+           "final_train_loss": info["final_train_loss"], "loss_curve": info["loss_curve"],
            "seconds": time.perf_counter() - start,
            "cpu_seconds": time.process_time() - cpu_start}
-    if recorder is not None:
-        out["shift"] = recorder.result()
+    if recorders:
+        out["shift"] = recorders[0].result()
     return out
+
+
+def train_error(model, data, eval_batch: int, diverged: bool) -> float:
+    """Error in eval mode on the first :data:`TRAIN_PROBE` training signals (for the gap
+    between training and test error); chance level for a run that diverged."""
+    if diverged:
+        return 1.0 - 1.0 / data.n_classes
+    model.eval()
+    x, y = torch.from_numpy(data.x_train[:TRAIN_PROBE]), torch.from_numpy(data.y_train[:TRAIN_PROBE])
+    return _error(model, x, y, eval_batch)

@@ -35,7 +35,7 @@ from torch import nn
 
 import normkit.nn as nk
 from normkit.study import data as data_module
-from normkit.study.runner import _DATA, _one_thread, _save, execute
+from normkit.study.pool import DATA, execute, one_thread, save_json
 from normkit.study.train import evaluate, fit
 
 __all__ = ["NORMS", "TARGET_LOSS", "VIT_DEFAULTS", "VIT_QUICK", "VIT_FILE", "TinyViT", "make_token_norm",
@@ -148,8 +148,8 @@ def _stream(n, batch_size, steps, gen):
 
 def _run(task):
     method, lr, seed, cfg = task
-    _one_thread()
-    return train_vit(_DATA["data"], method, lr, seed, cfg["steps"], cfg["batch_size"])
+    one_thread()
+    return train_vit(DATA["data"], method, lr, seed, cfg["steps"], cfg["batch_size"])
 
 
 def run_vit(out_dir, quick=False, jobs=None, methods=None) -> dict:
@@ -176,5 +176,5 @@ def run_vit(out_dir, quick=False, jobs=None, methods=None) -> dict:
     results = {"normkit_study_vit": 1, "protocol": cfg, "runs": runs,
                "elapsed_seconds": time.perf_counter() - start}
     os.makedirs(out_dir, exist_ok=True)
-    _save(os.path.join(out_dir, VIT_FILE), results)
+    save_json(os.path.join(out_dir, VIT_FILE), results)
     return results
