@@ -301,11 +301,10 @@ def normalize(x, dims, eps=1e-5, weight=None, bias=None, center=True):
                          f"(between {-nd} and {nd - 1}), got {dims}")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None:
-            try:
-                torch.broadcast_shapes(p.shape, x.shape)
-            except RuntimeError:
+            if not all(a == b or 1 in (a, b) for a, b in zip(reversed(p.shape),
+                                                             reversed(x.shape))):
                 raise ValueError(f"{name} of shape {_size(p.shape)} does not broadcast against "
-                                 f"the input of shape {_size(x.shape)}") from None
+                                 f"the input of shape {_size(x.shape)}")
             if p.dim() > x.dim() or torch.broadcast_shapes(p.shape, x.shape) != x.shape:
                 raise ValueError(f"{name} of shape {_size(p.shape)} would enlarge the input "
                                  f"of shape {_size(x.shape)}; give it at most x's shape")

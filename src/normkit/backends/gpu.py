@@ -25,6 +25,7 @@ import importlib.util
 import torch
 
 from normkit.backends import fused_kernels_cover
+from normkit.grouping import view_strides
 
 if importlib.util.find_spec("triton") is None:
     raise ImportError("the GPU backend needs triton: pip install 'normkit[gpu]'")
@@ -103,10 +104,8 @@ def _ncs(xv, grouping):
     if grouping.kind != "group":
         return xv
     v = grouping.view
-    try:
-        return xv.view(v[0], v[1] * v[2], v[3])
-    except RuntimeError:
-        return None
+    shape = (v[0], v[1] * v[2], v[3])
+    return xv.view(shape) if view_strides(xv.shape, xv.stride(), shape) is not None else None
 
 
 def _merge_batch(t3, grouping):
