@@ -1,10 +1,12 @@
-r"""The autograd of the normalizations: ``apply_norm`` (every method), and the
-residual-add norms.
+r"""The Python autograd Functions of the normalizations (two; every eager CPU call is
+recorded by the C++ executor's own node instead, ``backends/cpu/native.cpp``).
 
-``apply_norm`` calls the registered operator ``torch.ops.normkit.norm_forward`` (see
-``normkit.ops``), whose autograd is ``NormFunction``: it saves only the input, the fp32
-(fp64 for fp64 inputs) ``mean`` and ``rstd``, and the weight, and its backward is the
-hand-derived gradient (see ``normkit.reference``), never autograd through the forward.
+``NormFunction`` is the autograd of the registered operator
+``torch.ops.normkit.norm_forward`` (``normkit.ops``) and of the eager calls of a plan
+without a node of its own (the GPU's, the composite's; ``normkit.ops.run``): it saves
+only the input, the fp32 (fp64 for fp64 inputs) ``mean`` and ``rstd``, and the weight,
+and its backward is the hand-derived gradient (see ``normkit.reference``), never
+autograd through the forward.
 
 Double backward: when the backward itself is differentiated (``create_graph=True``),
 ``norm_backward`` runs the composite torch-op path (``normkit.backends.torch_ops``) with
@@ -45,12 +47,11 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from normkit import backends, ops
+from normkit import backends
 from normkit import grouping as G
 from normkit.backends import torch_ops
-from normkit.ops import NormFunction
 
-__all__ = ["NormFunction", "AddNormFunction", "apply_norm", "add_norm", "view_as"]
+__all__ = ["NormFunction", "AddNormFunction", "grouping_args", "plain_eager", "view_as"]
 
 
 def view_as(t, shape):
@@ -59,31 +60,112 @@ def view_as(t, shape):
     return t.reshape(shape)
 
 
-def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
-               fixed_mean=None, fixed_rstd=None, keep_stats=True, fixed_var=None,
-               running=None):
-    """Run ``torch.ops.normkit.norm_forward`` on ``x`` seen through ``grouping.view`` (the
-    composite torch ops where ``normkit.ops.decomposing()``); returns ``(y, mean, var)``
-    with ``y`` in ``x``'s shape (and memory layout); ``keep_stats=False``: the caller uses
-    ``y`` alone, ``mean`` and ``var`` may be None. Fixed statistics come as ``fixed_mean`` and
-    ``fixed_rstd``, or ``fixed_var`` instead of the rstd. ``running``: the running
-    buffers to update on the way where the path can (``normkit.ops.norm_forward``; then
-    ``mean`` and ``var`` come back None and the caller has nothing left to update). ``y``
-    is never a view of ``x``, so callers may modify it in place."""
-    if not torch.compiler.is_compiling():        # eager (the common case, checked first)
-        y, mean, _, var = ops.norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
-                                           fixed_rstd, keep_stats, fixed_var, running)
-        return y, mean, var
-    if ops.decomposing():
-        if fixed_mean is not None:
-            fixed_mean, fixed_rstd = torch_ops.fixed_stats(grouping, fixed_mean, fixed_rstd,
-                                                           fixed_var, eps)
-        y, mean, _, var = torch_ops.forward(x.reshape(grouping.view), grouping, weight, bias,
-                                            eps, center, fixed_mean, fixed_rstd)
-        return y.reshape(x.shape), mean, var
-    y, mean, _, var = ops.norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
-                                       fixed_rstd, keep_stats, fixed_var)
-    return y, mean, var
+def grouping_args(grouping):
+    """A ``Grouping`` as the four schema arguments ``(kind, view, reduce, param_view)``."""
+    pv = None if grouping.param_view is None else list(grouping.param_view)
+    return grouping.kind, list(grouping.view), list(grouping.reduce), pv
+
+
+def _grouping(kind, view, reduce, param_view):
+    pv = None if param_view is None else tuple(param_view)
+    return G.Grouping(kind, tuple(view), tuple(reduce), pv)
+
+
+def plain_eager(x) -> bool:
+    """Whether nothing traces or intercepts this call: a plain tensor and no dispatch
+    mode (fake tensors, functionalization, make_fx, torch.compile all fail this)."""
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace the checks below
+        return False
+    return type(x) is torch.Tensor and not torch._C._len_torch_dispatch_stack()
+
+
+def _to_param(grad, shape, dtype, grouping):
+    """Bring a backend's parameter gradient to the parameter's shape and dtype."""
+    if grouping.param_view is None:
+        grad = grad.sum_to_size(shape)
+    if grad.shape != shape:
+        grad = grad.reshape(shape)
+    return grad if grad.dtype == dtype else grad.to(dtype)
+
+
+class NormFunction(torch.autograd.Function):
+    """The autograd of ``norm_forward``: saves the input, the weight and the fp32 (fp64)
+    ``mean`` and ``rstd`` -- ``xhat`` is recomputed -- and runs ``norm_backward``.
+
+    ``apply(x, weight, bias, (grouping, eps, center, mean, rstd, stats[, reduce_sums]))``
+    returns ``y`` in ``x``'s shape; the statistics ``(mean, rstd, var)``, never
+    differentiable, are
+    appended to the list ``stats`` (one output instead of four, and the arguments that
+    take no gradient in one tuple: each argument and output of an ``autograd.Function``
+    costs a fraction of a microsecond to a few per call, a noticeable share on a small
+    tensor). ``x`` may come in any shape with the view's number of elements: the view is
+    taken inside, where autograd records nothing (no view node each way), and ``y`` goes
+    out as a tensor of its own, not a view of the Function's output, so that an in-place
+    op on it (ResNet's ``hidden += residual``) does not make autograd copy it back through
+    a view on every backward. In plain eager mode both directions run the backend's plan
+    directly.
+
+    ``reduce_sums`` (SyncBatchNorm, ``normkit.nn._sync``): ``mean`` and ``rstd`` are the
+    batch statistics of every rank, given, and the backward differentiates through them
+    with its two reductions summed over the ranks by ``reduce_sums(sum_g, sum_gx) ->
+    (c_mean, c_var)`` (the composite backward; not differentiable twice).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec):
+        grouping, eps, center, mean, rstd, stats, *sync = spec
+        fixed = mean is not None
+        ctx.reduce_sums = sync[0] if sync else None
+        ctx.plan = None
+        shape = x.shape
+        eager = plain_eager(x)
+        # a contiguous input goes to the plan in its own shape (the kernels see only its
+        # memory); any other is viewed as the grouping says, and y viewed back
+        ctx.reshaped = shape != grouping.view and not (eager and x.is_contiguous())
+        xv = x.reshape(grouping.view) if ctx.reshaped else x
+        if eager:
+            ctx.plan = backends.plan(xv, grouping, center, fixed)
+            y, mean_out, rstd_out, var = ctx.plan.forward(xv, weight, bias, eps, mean, rstd)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                y, mean_out, rstd_out, var = torch.ops.normkit.norm_forward.default(
+                    xv, weight, bias, *grouping_args(grouping), eps, center, mean, rstd)
+        stats += (mean_out, rstd_out, var)
+        ctx.save_for_backward(x, weight, mean if fixed else mean_out,   # x: double backward
+                              rstd if fixed else rstd_out)
+        ctx.grouping, ctx.eps, ctx.center, ctx.fixed = grouping, eps, center, fixed
+        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
+        if ctx.reshaped:   # an alias autograd does not track as a view
+            y = torch.ops.aten._unsafe_view(y, shape)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, mean, rstd = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        plan = ctx.plan if not torch.is_grad_enabled() and plain_eager(grad_y) else None
+        shape, view = x.shape, ctx.grouping.view
+        if plan is None or ctx.reshaped:       # the operator, or a plan built on the view
+            grad_y, x = grad_y.reshape(view), x.reshape(view)
+        if ctx.reduce_sums is not None:
+            if torch.is_grad_enabled():
+                raise RuntimeError("SyncBatchNorm's backward cannot be differentiated (its "
+                                   "reductions are summed over the ranks); use "
+                                   "create_graph=False")
+            dx, dw, db = torch_ops.backward(grad_y.reshape(view), x.reshape(view), mean, rstd,
+                                            weight, ctx.grouping, True, False, needs,
+                                            reduce_sums=ctx.reduce_sums)
+        elif plan is not None:
+            dx, dw, db = plan.backward(grad_y, x, mean, rstd, weight, needs)
+        else:
+            dx, dw, db = torch.ops.normkit.norm_backward.default(
+                grad_y, x, mean, rstd, weight, *grouping_args(ctx.grouping), ctx.eps,
+                ctx.center, ctx.fixed, list(needs))
+        grouping = ctx.grouping
+        dx = (dx if dx.shape == shape else dx.reshape(shape)) if needs[0] else None
+        dw = _to_param(dw, weight.shape, weight.dtype, grouping) if needs[1] else None
+        db = _to_param(db, *ctx.bias_meta, grouping) if needs[2] else None
+        return dx, dw, db, None
 
 
 class AddNormFunction(torch.autograd.Function):
@@ -138,23 +220,3 @@ class AddNormFunction(torch.autograd.Function):
         return (dh if nx else None), (dh if nr else None), dw, db, None, None, None
 
 
-def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_saving):
-    """``(norm(x + residual), x + residual)`` over the last ``normalized_ndim`` dims
-    (arguments already validated by ``normkit.functional.add_layer_norm`` /
-    ``add_rms_norm``); ``memory_saving=None`` follows ``backends.memory_saving``."""
-    grouping = G.layer(tuple(x.shape), normalized_ndim)
-    if memory_saving is None:
-        memory_saving = backends.memory_saving_enabled()
-    xv = x.reshape(grouping.view)                                  # M, K
-    rv = residual.reshape(grouping.view)
-    backend = backends.select(xv, grouping, center)
-    if ops.tracing() or (not memory_saving and not hasattr(backend, "fused_add_forward")):
-        # traced (compile, export, ONNX): the registered norm after a plain add
-        h = x + residual
-        return apply_norm(h, grouping, weight, bias, eps, center)[0], h
-    w = None if weight is None else weight.reshape(-1)
-    b = None if bias is None else bias.reshape(-1)
-    y, h = AddNormFunction.apply(xv, rv, w, b, eps, center, bool(memory_saving))
-    if y.shape != x.shape:
-        y, h = y.view(x.shape), h.view(x.shape)
-    return y, h

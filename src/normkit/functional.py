@@ -19,7 +19,7 @@ import torch
 
 from normkit import backends, ops
 from normkit import grouping as G
-from normkit.autograd import add_norm, apply_norm
+from normkit.ops import add_norm, apply_norm
 from normkit.backends import torch_ops
 from normkit.backends.torch_ops import stat_dtype
 from normkit.rms_casting import check_casting, normalize_dtype, scale_and_cast

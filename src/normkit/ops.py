@@ -25,15 +25,16 @@ picks (numba on CPU, Triton on CUDA, the composite torch ops elsewhere); the fak
 
 Autograd, at the ``Autograd`` key, in Python: when no input requires a gradient the
 forward goes straight below autograd (no ``autograd.Function``); otherwise
-``NormFunction`` (below; ``normkit.autograd`` re-exports it) records ``norm_backward``.
+``normkit.autograd.NormFunction`` records ``norm_backward``.
 ``norm_backward`` is itself differentiable: when its inputs require a gradient (double
 backward, ``create_graph``) it evaluates the same formula with differentiable torch ops
 and statistics recomputed from ``x``, so autograd differentiates the hand-derived
 backward. In plain eager mode (no tracing, no dispatch mode, a plain tensor)
 ``norm_forward`` here runs what those kernels would run without the two Python round
-trips through the dispatcher: for a small contiguous CPU input, the plan's C++ node
-(``normkit.backends.cpu.native``: a ``torch::autograd::Function`` in C++, whose backward
+trips through the dispatcher (``run``): on the CPU the plan's C++ executor
+(``normkit.backends.cpu.native``, its own ``torch::autograd::Function``, whose backward
 calls ``norm_backward`` when it is itself differentiated), else ``NormFunction``.
+``apply_norm`` and ``add_norm`` are what ``normkit.functional``'s ops call.
 
 The public operators, one per ``normkit.functional`` op with its signature
 (``layer_norm``, ``rms_norm``, ``group_norm``, ``instance_norm``, ``batch_norm``,
@@ -53,9 +54,12 @@ import torch
 
 from normkit import backends
 from normkit import grouping as G
+from normkit.autograd import (AddNormFunction, NormFunction, _grouping, grouping_args,
+                              plain_eager)
 from normkit.backends import torch_ops
 
-__all__ = ["norm_forward", "norm_backward", "grouping_args", "decompositions", "tracing",
+__all__ = ["add_norm", "apply_norm", "run", "norm_forward", "norm_backward", "grouping_args",
+           "decompositions", "tracing",
            "decomposing", "compile_decomposed", "NormFunction"]
 
 _lib = torch.library.Library("normkit", "DEF")
@@ -70,17 +74,6 @@ _lib.define(f"norm_backward(Tensor grad, Tensor x, Tensor mean, Tensor rstd, Ten
 
 _forward_op = torch.ops.normkit.norm_forward.default
 _backward_op = torch.ops.normkit.norm_backward.default
-
-
-def grouping_args(grouping):
-    """A ``Grouping`` as the four schema arguments ``(kind, view, reduce, param_view)``."""
-    pv = None if grouping.param_view is None else list(grouping.param_view)
-    return grouping.kind, list(grouping.view), list(grouping.reduce), pv
-
-
-def _grouping(kind, view, reduce, param_view):
-    pv = None if param_view is None else tuple(param_view)
-    return G.Grouping(kind, tuple(view), tuple(reduce), pv)
 
 
 def _param_grad_shape(grouping):
@@ -173,81 +166,6 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _to_param(grad, shape, dtype, grouping):
-    """Bring a backend's parameter gradient to the parameter's shape and dtype."""
-    if grouping.param_view is None:
-        grad = grad.sum_to_size(shape)
-    if grad.shape != shape:
-        grad = grad.reshape(shape)
-    return grad if grad.dtype == dtype else grad.to(dtype)
-
-
-class NormFunction(torch.autograd.Function):
-    """The autograd of ``norm_forward``: saves the input, the weight and the fp32 (fp64)
-    ``mean`` and ``rstd`` -- ``xhat`` is recomputed -- and runs ``norm_backward``.
-
-    ``apply(x, weight, bias, (grouping, eps, center, mean, rstd, stats))`` returns ``y``
-    in ``x``'s shape; the statistics ``(mean, rstd, var)``, never differentiable, are
-    appended to the list ``stats`` (one output instead of four, and the arguments that
-    take no gradient in one tuple: each argument and output of an ``autograd.Function``
-    costs a fraction of a microsecond to a few per call, a noticeable share on a small
-    tensor). ``x`` may come in any shape with the view's number of elements: the view is
-    taken inside, where autograd records nothing (no view node each way), and ``y`` goes
-    out as a tensor of its own, not a view of the Function's output, so that an in-place
-    op on it (ResNet's ``hidden += residual``) does not make autograd copy it back through
-    a view on every backward. In plain eager mode both directions run the backend's plan
-    directly.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, spec):
-        grouping, eps, center, mean, rstd, stats = spec
-        fixed = mean is not None
-        ctx.plan = None
-        shape = x.shape
-        eager = plain_eager(x)
-        # a contiguous input goes to the plan in its own shape (the kernels see only its
-        # memory); any other is viewed as the grouping says, and y viewed back
-        ctx.reshaped = shape != grouping.view and not (eager and x.is_contiguous())
-        xv = x.reshape(grouping.view) if ctx.reshaped else x
-        if eager:
-            ctx.plan = backends.plan(xv, grouping, center, fixed)
-            y, mean_out, rstd_out, var = ctx.plan.forward(xv, weight, bias, eps, mean, rstd)
-        else:
-            with torch._C._AutoDispatchBelowAutograd():
-                y, mean_out, rstd_out, var = _forward_op(xv, weight, bias,
-                                                         *grouping_args(grouping), eps,
-                                                         center, mean, rstd)
-        stats += (mean_out, rstd_out, var)
-        ctx.save_for_backward(x, weight, mean if fixed else mean_out,   # x: double backward
-                              rstd if fixed else rstd_out)
-        ctx.grouping, ctx.eps, ctx.center, ctx.fixed = grouping, eps, center, fixed
-        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
-        if ctx.reshaped:   # an alias autograd does not track as a view
-            y = torch.ops.aten._unsafe_view(y, shape)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, weight, mean, rstd = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        plan = ctx.plan if not torch.is_grad_enabled() and plain_eager(grad_y) else None
-        shape, view = x.shape, ctx.grouping.view
-        if plan is None or ctx.reshaped:       # the operator, or a plan built on the view
-            grad_y, x = grad_y.reshape(view), x.reshape(view)
-        if plan is not None:
-            dx, dw, db = plan.backward(grad_y, x, mean, rstd, weight, needs)
-        else:
-            dx, dw, db = _backward_op(grad_y, x, mean, rstd, weight,
-                                      *grouping_args(ctx.grouping), ctx.eps, ctx.center,
-                                      ctx.fixed, list(needs))
-        grouping = ctx.grouping
-        dx = (dx if dx.shape == shape else dx.reshape(shape)) if needs[0] else None
-        dw = _to_param(dw, weight.shape, weight.dtype, grouping) if needs[1] else None
-        db = _to_param(db, *ctx.bias_meta, grouping) if needs[2] else None
-        return dx, dw, db, None
-
-
 def _forward_autograd(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
                       rstd=None):
     if _needs_grad(x, weight, bias):
@@ -280,14 +198,6 @@ _lib.impl("norm_forward", _forward_autograd, "Autograd")
 _lib.impl("norm_backward", _backward_autograd, "Autograd")
 torch.library.register_fake("normkit::norm_forward", _forward_fake, lib=_lib)
 torch.library.register_fake("normkit::norm_backward", _backward_fake, lib=_lib)
-
-
-def plain_eager(x) -> bool:
-    """Whether nothing traces or intercepts this call: a plain tensor and no dispatch
-    mode (fake tensors, functionalization, make_fx, torch.compile all fail this)."""
-    if torch.compiler.is_compiling():  # first: dynamo cannot trace the checks below
-        return False
-    return type(x) is torch.Tensor and not torch._C._len_torch_dispatch_stack()
 
 
 def run(plan, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None,
@@ -435,6 +345,57 @@ def decompositions() -> dict:
     ``ExportedProgram.run_decompositions`` (a program exported by ``torch.export``
     then holds only aten ops, e.g. to hand it to ``torch.onnx.export``)."""
     return {_forward_op: _composite_forward, _backward_op: _composite_backward_op}
+
+
+# ---------------------------------------------------------------------------- the functional ops' entry
+
+def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
+               fixed_mean=None, fixed_rstd=None, keep_stats=True, fixed_var=None,
+               running=None):
+    """Run ``torch.ops.normkit.norm_forward`` on ``x`` seen through ``grouping.view`` (the
+    composite torch ops where ``normkit.decomposing()``); returns ``(y, mean, var)``
+    with ``y`` in ``x``'s shape (and memory layout); ``keep_stats=False``: the caller uses
+    ``y`` alone, ``mean`` and ``var`` may be None. Fixed statistics come as ``fixed_mean`` and
+    ``fixed_rstd``, or ``fixed_var`` instead of the rstd. ``running``: the running
+    buffers to update on the way where the path can (``normkit.ops.norm_forward``; then
+    ``mean`` and ``var`` come back None and the caller has nothing left to update). ``y``
+    is never a view of ``x``, so callers may modify it in place."""
+    if not torch.compiler.is_compiling():        # eager (the common case, checked first)
+        y, mean, _, var = norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
+                                           fixed_rstd, keep_stats, fixed_var, running)
+        return y, mean, var
+    if decomposing():
+        if fixed_mean is not None:
+            fixed_mean, fixed_rstd = torch_ops.fixed_stats(grouping, fixed_mean, fixed_rstd,
+                                                           fixed_var, eps)
+        y, mean, _, var = torch_ops.forward(x.reshape(grouping.view), grouping, weight, bias,
+                                            eps, center, fixed_mean, fixed_rstd)
+        return y.reshape(x.shape), mean, var
+    y, mean, _, var = norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
+                                       fixed_rstd, keep_stats, fixed_var)
+    return y, mean, var
+
+
+def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_saving):
+    """``(norm(x + residual), x + residual)`` over the last ``normalized_ndim`` dims
+    (arguments already validated by ``normkit.functional.add_layer_norm`` /
+    ``add_rms_norm``); ``memory_saving=None`` follows ``backends.memory_saving``."""
+    grouping = G.layer(tuple(x.shape), normalized_ndim)
+    if memory_saving is None:
+        memory_saving = backends.memory_saving_enabled()
+    xv = x.reshape(grouping.view)                                  # M, K
+    rv = residual.reshape(grouping.view)
+    backend = backends.select(xv, grouping, center)
+    if tracing() or (not memory_saving and not hasattr(backend, "fused_add_forward")):
+        # traced (compile, export, ONNX): the registered norm after a plain add
+        h = x + residual
+        return apply_norm(h, grouping, weight, bias, eps, center)[0], h
+    w = None if weight is None else weight.reshape(-1)
+    b = None if bias is None else bias.reshape(-1)
+    y, h = AddNormFunction.apply(xv, rv, w, b, eps, center, bool(memory_saving))
+    if y.shape != x.shape:
+        y, h = y.view(x.shape), h.view(x.shape)
+    return y, h
 
 
 # ---------------------------------------------------------------------------- public operators

@@ -34,26 +34,25 @@ Backward: one all-reduce of the two reductions
 Saved for backward: the input, the weight, the global ``mean`` and ``rstd`` (fp32; fp64
 for fp64 inputs) and the global count. ``xhat`` is recomputed.
 
-Both directions go through normkit's dispatch: the local moments and the normalization
-with the global statistics run on the backend ``normkit.backends.select`` picks (the fused
-numba kernels on CPU), and the backward is ``normkit.backends.torch_ops.backward`` -- the
-one formula of every norm -- with the two sums all-reduced in the middle.
+Both directions go through normkit's dispatch and its one Python autograd Function for
+norms, ``normkit.autograd.NormFunction``: the local moments and the normalization with
+the global statistics run on the backend ``normkit.backends.select`` picks (the fused
+kernels on CPU), and the backward is ``normkit.backends.torch_ops.backward`` -- the one
+formula of every norm -- with the two sums all-reduced in the middle (``reduce_sums``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from normkit import backends
 from normkit import grouping as G
-from normkit.autograd import view_as
-from normkit.backends import torch_ops
+from normkit.autograd import NormFunction, view_as
 from normkit.functional import update_running
 from normkit.stats import merge_rows
 
-__all__ = ["gather_moments", "sync_batch_norm", "SyncBatchNormFunction"]
+__all__ = ["gather_moments", "sync_batch_norm"]
 
 _COMM_DTYPE = torch.float64
 
@@ -72,63 +71,40 @@ def gather_moments(count, mean, m2, process_group, world_size):
     return float(n), mean_all, m2_all
 
 
-class SyncBatchNormFunction(torch.autograd.Function):
-    """Batch normalization with statistics merged across the ranks of ``process_group``.
-
-    ``forward(x, weight, bias, running_mean, running_var, eps, momentum, process_group,
-    world_size) -> y``; the running statistics, if given, are updated in place with the
+def _sync_forward(x, weight, bias, running_mean, running_var, eps, momentum, process_group,
+                  world_size):
+    """``y`` of batch normalization with statistics merged across the ranks of
+    ``process_group``, recorded by ``normkit.autograd.NormFunction`` with the backward's
+    two sums all-reduced; the running statistics, if given, are updated in place with the
     global mean and the global unbiased variance (``var * n / (n - 1)``, ``n`` the global
-    count). Every rank must call it (a rank with no samples too), in the same order.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum,
-                process_group, world_size):
-        grouping = G.batch(x.shape)
-        xv = view_as(x, grouping.view)                                  # N, C, S
-        n_local = grouping.group_size
+    count). Every rank must call it (a rank with no samples too), in the same order."""
+    grouping = G.batch(x.shape)
+    xv = view_as(x, grouping.view)                                      # N, C, S
+    n_local = grouping.group_size
+    with torch.no_grad():
         mean, var = backends.group_moments(xv, grouping)                # 1, C, 1 each
-        # a rank with no samples has zero moments: an exact no-op of the merge
-        n, mean64, m264 = gather_moments(n_local, mean.reshape(-1), var.reshape(-1) * n_local,
-                                         process_group, world_size)
-        if n <= 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel across all ranks when training, got "
-                f"{n:.0f} in total (input size on this rank {list(x.shape)}); use larger "
-                f"batches, eval mode, or a batch-independent norm (GroupNorm, LayerNorm)")
-        var64 = m264 / n                                                # biased, C
-        mean = mean64.to(var.dtype).view(grouping.stat_shape)           # 1, C, 1
-        rstd = torch.rsqrt(var64 + eps).to(var.dtype).view(grouping.stat_shape)
-        backend = backends.select(xv, grouping, True, True)
-        y, _, _, _ = backend.forward(xv, grouping, weight, bias, eps, True, mean, rstd)
-        if running_mean is not None:
-            update_running(running_mean, running_var, mean64, var64, momentum, n / (n - 1))
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.count, ctx.process_group = n, process_group
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return view_as(y, x.shape)
+    # a rank with no samples has zero moments: an exact no-op of the merge
+    n, mean64, m264 = gather_moments(n_local, mean.reshape(-1), var.reshape(-1) * n_local,
+                                     process_group, world_size)
+    if n <= 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel across all ranks when training, got "
+            f"{n:.0f} in total (input size on this rank {list(x.shape)}); use larger "
+            f"batches, eval mode, or a batch-independent norm (GroupNorm, LayerNorm)")
+    var64 = m264 / n                                                    # biased, C
+    mean = mean64.to(var.dtype).view(grouping.stat_shape)               # 1, C, 1
+    rstd = torch.rsqrt(var64 + eps).to(var.dtype).view(grouping.stat_shape)
+    if running_mean is not None:
+        update_running(running_mean, running_var, mean64, var64, momentum, n / (n - 1))
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_y):
-        x, weight, mean, rstd = ctx.saved_tensors
-        grouping = G.batch(x.shape)
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1] and weight is not None,
-                 ctx.needs_input_grad[2] and ctx.bias_dtype is not None)
+    def global_means(sum_g, sum_gx):
+        # the two reductions of the backward: local sums, summed over the ranks
+        sums = torch.cat([sum_g.reshape(-1), sum_gx.reshape(-1)])       # 2C
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=process_group)
+        return (s.view(grouping.stat_shape) / n for s in sums.chunk(2))
 
-        def global_means(sum_g, sum_gx):
-            # the two reductions of the backward: local sums, summed over the ranks
-            sums = torch.cat([sum_g.reshape(-1), sum_gx.reshape(-1)])   # 2C
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.process_group)
-            return (s.view(grouping.stat_shape) / ctx.count for s in sums.chunk(2))
-
-        dx, dw, db = torch_ops.backward(view_as(grad_y, grouping.view), view_as(x, grouping.view),
-                                        mean, rstd, weight, grouping, True, False, needs,
-                                        reduce_sums=global_means)
-        dx = None if dx is None else view_as(dx, x.shape)
-        dw = None if dw is None else dw.reshape(-1).to(weight.dtype)     # this rank's share
-        db = None if db is None else db.reshape(-1).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+    return NormFunction.apply(x, weight, bias, (grouping, eps, True, mean, rstd, [],
+                                                global_means))
 
 
 def sync_batch_norm(input, running_mean, running_var, weight=None, bias=None, momentum=0.1,
@@ -153,5 +129,5 @@ def sync_batch_norm(input, running_mean, running_var, weight=None, bias=None, mo
         if p is not None and p.numel() != c:
             raise ValueError(f"{name} should contain {c} elements not {p.numel()} (input has "
                              f"{c} channels at dim 1)")
-    return SyncBatchNormFunction.apply(input, weight, bias, running_mean, running_var, eps,
-                                       momentum, process_group, world_size)
+    return _sync_forward(input, weight, bias, running_mean, running_var, eps, momentum,
+                         process_group, world_size)
