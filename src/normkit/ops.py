@@ -257,7 +257,7 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._is_any_autocast_enabled()):    # autocast: normkit.autocast
         # the plan of x itself: contiguous, or channels_last (the plan of its view, whose
-        # C++ node reads any shape of that memory); other strides as the view, copied
+        # C++ plan reads any shape of that memory); other strides as the view, copied
         # where no view can express them (a permuted LayerNorm input: ConvNeXt's blocks)
         xv = x if x.is_contiguous() else _rows_of_channels_view(x, grouping)
         if xv is None and x.device.type == "cpu":

@@ -1,7 +1,7 @@
-"""``python -m normkit.backends.cpu``: compile the C++ node of the small calls now
+"""``python -m normkit.backends.cpu``: build the C++ executor of the CPU calls now
 (``normkit.backends.cpu.native``) rather than at the first call; ``make setup`` runs it.
-Without a compiler it says so and leaves the Python path (``tests/test_native.py`` fails
-there)."""
+Without a compiler it says so (the composite torch path then runs every CPU call, and
+``make test`` fails at once)."""
 
 import time
 
@@ -9,4 +9,4 @@ from normkit.backends.cpu import native
 
 start = time.time()
 ready = native.extension() is not None
-print(f"normkit C++ node: {'ready' if ready else 'unavailable'} ({time.time() - start:.0f} s)")
+print(f"normkit C++ executor: {'ready' if ready else 'unavailable'} ({time.time() - start:.0f} s)")

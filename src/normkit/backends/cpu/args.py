@@ -1,6 +1,6 @@
 """The kernels' arguments, declared once: where Python, numba and C++ meet.
 
-The C++ node calls every kernel through one C signature, ``void(int64 *a, double eps)``.
+The C++ executor calls every kernel through one C signature, ``void(int64 *a, double eps)``.
 Each argument has a name and one slot of ``a``, the same in every kernel (``SLOTS``):
 
 ``TENSORS``   addresses of contiguous memory, filled by the node per call: the input and

@@ -1,4 +1,4 @@
-"""The kernels as the C++ node calls them: every argument named, one meaning per name.
+"""The kernels as the C++ executor calls them: every argument named, one meaning per name.
 
 The node (``native.cpp``) calls every kernel through one C signature, ``void(int64 *a,
 double eps)``. An entry's parameters (all but ``eps``, ``proto``, ``sproto``) are its

@@ -119,7 +119,7 @@ def _say_if_building(cpp_extension, source) -> None:
     if (ninja.exists() and str(source) in ninja.read_text()
             and any(p.stat().st_mtime >= newer for p in folder.glob("normkit_native*.so"))):
         return
-    print("normkit: compiling its C++ node once for this machine (about 30-60 s); "
+    print("normkit: compiling its C++ executor once for this machine (about 30-60 s); "
           "`python -m normkit.backends.cpu` does it ahead of time", file=sys.stderr, flush=True)
 
 
