@@ -34,6 +34,7 @@ standardization, ``normkit.convert``'s step 4).
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -185,10 +186,20 @@ def _probe_layout(module):
     return None
 
 
+def _one_argument(forward) -> bool:
+    """Whether ``forward(self, x)`` takes exactly one argument (the replacement's)."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(params) == 1 and params[0].kind in kinds
+
+
 def route_layer_norm(module):
     """Route a LayerNorm subclass over one dim whose forward is channels-first or
     channels-last layer normalization; returns how, or None."""
-    if len(module.normalized_shape) != 1:
+    if len(module.normalized_shape) != 1 or not _one_argument(type(module).forward):
         return None
     layout = _probe_layout(module)
     if layout is None:
@@ -209,4 +220,5 @@ def is_routed(module) -> bool:
 def unroute(module) -> str:
     """Give a routed module its own class back; returns that class's name."""
     module.__class__ = type(module)._normkit_routed_from
+    module.__dict__.pop("_normkit_recipe", None)            # (routed to a recipe)
     return type(module).__qualname__
