@@ -7,8 +7,9 @@ A module qualifies by structure (``call_signature``, ``structure``):
   ``forward(self, x, gate)`` or ``forward(self, x, gate=None)`` (any names; no other
   argument, no ``*args`` / ``**kwargs``), since the routed forward must accept every call
   the module accepts;
-* no buffer, no child; parameters among ``weight`` and ``bias``, floating point; a positive
-  epsilon attribute (``variance_epsilon``, ``eps``, ``epsilon``, ...).
+* no child, no buffer in the state_dict (FalconMamba's unused non-persistent ``weight``
+  buffer is allowed: the probe runs with it); parameters among ``weight`` and ``bias``,
+  floating point; a positive epsilon attribute (``variance_epsilon``, ``eps``, ``epsilon``, ...).
 
 ``find`` then runs the module's own forward on probe inputs (random weight and bias
 swapped in, then restored), with the gate omitted and given where the signature allows,
@@ -79,8 +80,11 @@ def call_signature(module):
 
 def structure(module):
     """``(eps attribute name, weight, bias)`` of a norm-shaped ``module``, or why not."""
-    if module._buffers or module._modules:
-        return "it holds buffers or child modules"
+    if module._modules:
+        return "it holds child modules"
+    if set(module._buffers) - module._non_persistent_buffers_set:
+        return ("it holds buffers in its state_dict, which a recipe would not read "
+                "(only non-persistent ones are allowed: the probe runs with their values)")
     extra = set(module._parameters) - {"weight", "bias"}
     if extra:
         return f"it holds parameters {sorted(extra)} besides weight and bias"
@@ -167,11 +171,11 @@ def _candidates(module, eps_name, weight, gated):
     groups = _groups(module, width[-1])
     offsets = (0.0, 1.0) if weight is not None else (0.0,)
     gates = _GATES if gated else [None]
-    for center, d, group, offset, gate in itertools.product((False, True), dims, groups,
-                                                            offsets, gates):
-        if group is not None and d != 1:
+    for center, d, group, offset, gate, l2 in itertools.product(
+            (False, True), dims, groups, offsets, gates, (False, True)):
+        if group is not None and d != 1 or l2 and (center or weight is not None):
             continue
-        yield Recipe(center, eps_name, d, group, "gemma", offset, gate)
+        yield Recipe(center, eps_name, d, group, "gemma", offset, gate, l2)
 
 
 def _same(got, want):
@@ -198,10 +202,17 @@ def _half_verdict(probe, recipe):
 
 def _search(module, eps_name, weight, bias, sig):
     probe = _Probe(module, sig[1], sig[2], weight, bias)
-    try:
-        wants = {gated: probe.own(torch.float32, torch.float32, gated) for gated in probe.calls}
-    except Exception as err:  # noqa: BLE001 -- foreign code failing on a probe: no match
-        return f"its forward failed on a probe input ({type(err).__name__}: {err})"
+    wants, failure = {}, None
+    for gated in probe.calls:
+        try:
+            wants[gated] = probe.own(torch.float32, torch.float32, gated)
+        except Exception as err:  # noqa: BLE001 -- foreign code failing on a probe input
+            failure = f"its forward failed on a probe input ({type(err).__name__}: {err})"
+    if failure is not None and wants.keys() != {True}:
+        return failure
+    # a gate that defaults to None but is needed (the forward fails without it): the
+    # model always passes one, so the recipe is checked on gated calls only
+    probe.calls = list(wants)
     math_ok = []
     for recipe in _candidates(module, eps_name, weight, sig[1] is not None):
         try:
@@ -217,7 +228,7 @@ def _search(module, eps_name, weight, bias, sig):
     best, best_diff, fallback = None, math.inf, None
     for base, casting in itertools.product(math_ok, ("llama", "gemma", "t5", "torch")):
         recipe = Recipe(base.center, eps_name, base.dims, base.group, casting, base.offset,
-                        base.gate)
+                        base.gate, base.l2)
         try:
             diff, accurate = _half_verdict(probe, recipe)
         except (RuntimeError, ValueError, TypeError):

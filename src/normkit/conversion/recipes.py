@@ -16,7 +16,10 @@ point of the space these classes live in, and ``run`` computes it:
 * ``center``: LayerNorm (:math:`\mu`, biased :math:`\sigma^2`) or RMSNorm (:math:`\mu = 0`,
   :math:`\sigma^2 = \mathrm{mean}(h^2)`), by ``normkit.functional.layer_norm`` /
   ``rms_norm`` without affine parameters: one mean and variance per row of the last
-  ``dims`` dims, or per ``group`` consecutive elements of the last dim;
+  ``dims`` dims, or per ``group`` consecutive elements of the last dim; ``l2``: the
+  projection onto the unit sphere :math:`h / \sqrt{\sum h^2 + \epsilon}` (nGPT's
+  ``L2Norm``), which is ``rms_norm`` with :math:`\epsilon / n`, divided by
+  :math:`\sqrt n`;
 * ``casting``: where the model casts (see ``normkit.rms_casting``): ``"torch"`` normalizes
   ``x`` in its own dtype with the weight and bias inside the op; ``"llama"`` normalizes
   ``x.float()``, casts :math:`\hat h` to ``x.dtype``, then ``(offset + w) * . + b``;
@@ -37,6 +40,7 @@ autograd differentiates them as in the model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +64,7 @@ class Recipe:
     casting: str = "llama"
     offset: float = 0.0
     gate: tuple | None = None
+    l2: bool = False
 
 
 def _act(name, g):
@@ -71,13 +76,14 @@ def _normalized(h, recipe, eps, weight=None, bias=None):
     if recipe.group is not None:
         shape = h.shape
         hg = h.reshape(*shape[:-1], shape[-1] // recipe.group, recipe.group)
-        return _normalized(hg, Recipe(recipe.center, recipe.eps_name), eps).reshape(shape)
+        flat = Recipe(recipe.center, recipe.eps_name, l2=recipe.l2)
+        return _normalized(hg, flat, eps).reshape(shape)
     shape = h.shape[h.dim() - recipe.dims:]
-    if weight is not None and weight.shape != shape or bias is not None and \
-            bias.shape != shape:
-        weight = bias = None                    # broadcast outside the op (never here)
     if recipe.center:
         return nF.layer_norm(h, shape, weight, bias, eps)
+    if recipe.l2:                  # x / sqrt(sum x^2 + eps) = rms_norm(x, eps / n) / sqrt(n)
+        n = math.prod(shape)
+        return nF.rms_norm(h, shape, None, eps / n) * (1.0 / math.sqrt(n))
     return nF.rms_norm(h, shape, weight, eps)
 
 
@@ -107,7 +113,8 @@ def run(module, recipe, x, gate=None):
     bias = module._parameters.get("bias")
     dtype = x.dtype
     gated = recipe.gate is not None and gate is not None
-    if recipe.casting == "torch" and not gated and not recipe.offset and recipe.group is None:
+    if recipe.casting == "torch" and not gated and not recipe.offset and recipe.group is None \
+            and not recipe.l2:
         inside = weight is None or weight.shape == x.shape[x.dim() - recipe.dims:]
         y = _normalized(x, recipe, eps, *((weight, bias) if inside else ()))
         if not inside:
@@ -132,6 +139,7 @@ def run(module, recipe, x, gate=None):
 def describe(recipe) -> str:
     """One line for the report: ``rms_norm over groups of 16, fp32, gate before (silu)``."""
     what = "layer_norm" if recipe.center else "rms_norm"
+    what += " as the L2 norm (eps / n, then / sqrt(n))" if recipe.l2 else ""
     where = (f" over groups of {recipe.group}" if recipe.group else
              f" over the last {recipe.dims} dims" if recipe.dims > 1 else "")
     how = {"torch": "in the input dtype", "llama": "fp32, cast then affine",

@@ -133,12 +133,20 @@ def run_model(model_type, class_name):
     from normkit.conversion.classes import qualified
 
     record = {"model": model_type, "class": class_name}
-    try:
-        untouched = sweep_models.build(model_type, class_name)
-        kwargs = sweep_models.inputs(untouched)
-        converted = copy.deepcopy(untouched)
-    except Exception as err:  # noqa: BLE001 -- any failure to build: not tested
-        return dict(record, status="not built", error=f"{type(err).__name__}: {err}"[:300])
+    for level in sweep_models.LEVELS:               # the first config that builds and runs
+        stage = "not built"
+        try:
+            untouched = sweep_models.build(model_type, class_name, level=level)
+            kwargs = sweep_models.inputs(untouched)
+            stage = "untouched fails"
+            _step(untouched, kwargs, "eval")
+            break
+        except Exception as err:  # noqa: BLE001 -- any failure of the untouched: not tested
+            error = f"{type(err).__name__}: {err}"[:300]
+    else:
+        return dict(record, status=stage, error=error)
+    record["level"] = level
+    converted = copy.deepcopy(untouched)
     norms = _norm_modules(untouched)
     report = normkit.convert(converted)
     converted = report.model
@@ -151,7 +159,7 @@ def run_model(model_type, class_name):
     reference = None
     for mode in ("eval", "train"):
         try:
-            want = _step(untouched, kwargs, mode)
+            want = _step(untouched, kwargs, mode)     # (eval again: converted runs after it)
         except Exception as err:  # noqa: BLE001
             record["steps"][mode] = {"untouched": f"{type(err).__name__}: {err}"[:300]}
             continue

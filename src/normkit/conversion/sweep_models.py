@@ -12,6 +12,11 @@ config with the sizes cut down (``small_config``), never from downloaded weights
   the model asks of them; heads to at most 4, experts to at most 4;
 * dropout-like probabilities to 0, so a training step is deterministic.
 
+Where that config does not build or run (a rotary or per-head size cut below what the
+model asks), level 2 cuts differently: at most 2 heads *of the original head size* (the
+hidden size cut to match), one key/value head, feed-forward widths to at most 256, the
+vocabulary to 8192 (special token ids moved below it), layers and experts as above.
+
 A model whose small config cannot be built, or whose untouched forward fails on the
 inputs ``inputs`` makes, is counted as not tested, never as broken.
 """
@@ -23,9 +28,10 @@ import math
 
 import torch
 
-__all__ = ["base_models", "small_config", "build", "inputs", "MAX_PARAMETERS"]
+__all__ = ["base_models", "small_config", "build", "inputs", "MAX_PARAMETERS", "LEVELS"]
 
 MAX_PARAMETERS = 40_000_000
+LEVELS = (1, 2)
 _LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers",
            "decoder_layers", "num_encoder_layers", "num_decoder_layers", "depth",
            "num_text_layers", "num_vision_layers", "num_cross_layers", "text_layers",
@@ -118,7 +124,36 @@ def _fix(config):
             setattr(config, name, value[:layers])
 
 
-def _shrink(config, seen):
+def _keep_heads_value(name, v, config):
+    """Level 2: fewer heads of the same size (rotary and per-head sizes stay valid)."""
+    get = lambda n: getattr(config, n, None)  # noqa: E731
+    if name in _LAYERS and _int(v):
+        return min(v, 2)
+    if name in ("depths",) and isinstance(v, (list, tuple)):
+        return type(v)(min(d, 1) for d in v)
+    if name in _EXPERTS and _int(v):
+        return min(v, 4)
+    if name in _TOP_K and _int(v):
+        return min(v, 2)
+    if name in _FFN and _int(v) and v > 256:
+        return _halved(v, 256)
+    if name in ("hidden_size", "d_model", "n_embd", "embed_dim") and _int(v):
+        heads = next((get(n) for n in _HEADS if _int(get(n))), None)
+        if heads and v % heads == 0 and heads > 2:
+            return 2 * (v // heads)
+        return v
+    if name in _HEADS and _int(v):
+        return min(v, 2)
+    if name in _KV_HEADS and _int(v):
+        return 1
+    if name == "vocab_size" and _int(v) and v > 8192:
+        return 8192
+    if (name.endswith("_token_id") or name.endswith("_token_index")) and _int(v) and v >= 8192:
+        return 8191 - sum(map(ord, name)) % 64
+    return _shrink_value(name, v) if isinstance(v, float) else v
+
+
+def _shrink(config, seen, level=1):
     if id(config) in seen:
         return
     seen.add(id(config))
@@ -126,37 +161,39 @@ def _shrink(config, seen):
         if name.startswith("_"):
             continue
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-            _shrink(value, seen)
+            _shrink(value, seen, level)
             continue
-        new = _shrink_value(name, value)
+        new = (_shrink_value(name, value) if level == 1 else
+               _keep_heads_value(name, value, config))
         if new is not value:
             try:
                 setattr(config, name, new)
             except (ValueError, TypeError, AttributeError):
                 pass                                    # a checked field: keep its default
-    try:
-        _fix(config)
-    except (ValueError, TypeError, AttributeError):
-        pass
+    if level == 1:
+        try:
+            _fix(config)
+        except (ValueError, TypeError, AttributeError):
+            pass
 
 
-def small_config(model_type):
+def small_config(model_type, level=1):
     """The default config of ``model_type`` with its sizes cut down (module docstring)."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
-    _shrink(config, set())
+    _shrink(config, set(), level)
     config.use_cache = False
     return config
 
 
-def build(model_type, class_name, seed=0):
+def build(model_type, class_name, seed=0, level=1):
     """The fp32 base model ``class_name`` of ``model_type`` from ``small_config``, its
     weights drawn from ``seed``; raises ValueError when it holds more than
     ``MAX_PARAMETERS`` (the cut-down config still too large to sweep)."""
     import transformers
 
-    config = small_config(model_type)
+    config = small_config(model_type, level)
     cls = getattr(transformers, class_name)
     with torch.device("meta"):
         count = sum(p.numel() for p in cls(config).parameters())
