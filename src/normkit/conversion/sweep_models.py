@@ -10,6 +10,7 @@ config with the sizes cut down (``small_config``), never from downloaded weights
 * widths: ``hidden_size``, ``d_model``, ``intermediate_size`` and their kin divided by a
   power of two to at most 64 (128 for feed-forward widths), which keeps the divisibility
   the model asks of them; heads to at most 4, experts to at most 4;
+* images to 64 x 64 pixels;
 * dropout-like probabilities to 0, so a training step is deterministic.
 
 Where that config does not build or run (a rotary or per-head size cut below what the
@@ -83,6 +84,8 @@ def _shrink_value(name, v):
         if isinstance(v, (list, tuple)) and v and all(_int(x) for x in v):
             f = max(1, max(v) // limit)
             return type(v)(max(x // f, 4) for x in v)
+    if name == "image_size" and _int(v) and v > 64:
+        return 64
     if name in _HEADS and _int(v):
         return min(v, 4)
     if name in _HEADS and isinstance(v, (list, tuple)) and all(_int(x) for x in v):
