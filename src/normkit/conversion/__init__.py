@@ -49,7 +49,11 @@ _NORMKIT_BASES = tuple(dst for _, dst, _ in swap.PAIRS) + (nknn._base.NormBase,)
 
 
 def _norm_like(module) -> bool:
-    return isinstance(module, _TORCH_BASES) or "Norm" in type(module).__name__
+    """A torch norm layer, or a class named like one; not torch's weight and spectral norm
+    parametrizations (``_WeightNorm``), which rescale weights, not activations."""
+    kind = type(module)
+    return isinstance(module, _TORCH_BASES) or ("Norm" in kind.__name__ and
+                                                not kind.__module__.startswith("torch.nn.utils"))
 
 
 def _convert_one(name, module, report):

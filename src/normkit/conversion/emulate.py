@@ -1,7 +1,8 @@
 """Finding the recipe of a model's own norm class by probing its forward, and routing the
 module to it.
 
-A module qualifies by structure (``call_signature``, ``structure``):
+A module qualifies by structure (``call_signature``, ``structure``; a FrozenBatchNorm2d,
+whose statistics and affine are buffers, is probed apart, ``_frozen_search``):
 
 * its ``forward`` takes the input and at most a gate: ``forward(self, x)``,
   ``forward(self, x, gate)`` or ``forward(self, x, gate=None)`` (any names; no other
@@ -245,9 +246,47 @@ def _search(module, eps_name, weight, bias, sig):
             "neither like one of normkit's castings nor less accurately than normkit")
 
 
+_FROZEN = ("weight", "bias", "running_mean", "running_var")
+_FROZEN_EPS = (1e-5, 0.0, 1e-3, 1e-6, 1e-12)
+
+
+def _frozen_search(module, sig):
+    """The frozen batch-norm recipe of a module holding ``_FROZEN`` as its only buffers
+    (1-D, one size), its epsilon an attribute or a constant found by the probe."""
+    buffers = module._buffers
+    c = buffers["weight"].numel()
+    if sig[1] is not None or any(b is None or not b.is_floating_point() or b.dim() != 1 or
+                                 b.numel() != c for b in buffers.values()):
+        return "it holds FrozenBatchNorm buffers, but not as 1-D tensors of one size"
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, c, 3, 5, generator=gen) * 2 + 0.5
+    probe = {n: torch.randn(c, generator=gen) * 0.5 + (1.0 if n == "running_var" else 0.2)
+             for n in _FROZEN}
+    probe["running_var"] = probe["running_var"].abs() + 0.1
+    eps_attr = next((n for n in EPS_NAMES if isinstance(vars(module).get(n), float)), None)
+    saved = dict(buffers)
+    try:
+        buffers.update({n: v.to(saved[n]) for n, v in probe.items()})
+        with torch.no_grad():
+            want = module.forward(x.to(saved["weight"]))
+            for eps in ([None] if eps_attr else []) + list(_FROZEN_EPS):
+                recipe = Recipe(True, eps_attr if eps is None else None,
+                                frozen_eps=getattr(module, eps_attr) if eps is None else eps)
+                if _same(recipes.run(module, recipe, x.to(saved["weight"])), want):
+                    return recipe
+    except Exception as err:  # noqa: BLE001 -- foreign code failing on a probe input
+        return f"its forward failed on a probe input ({type(err).__name__}: {err})"
+    finally:
+        buffers.update(saved)
+    return "it holds FrozenBatchNorm buffers, but its forward is not batch_norm in eval"
+
+
 def find(module, sig):
     """The ``Recipe`` ``module`` computes, or why none (a str); ``sig`` from
     ``call_signature``."""
+    if set(module._buffers) == set(_FROZEN) and not module._parameters and \
+            not module._modules:
+        return _frozen_search(module, sig)
     found = structure(module)
     if isinstance(found, str):
         return found

@@ -31,6 +31,11 @@ point of the space these classes live in, and ``run`` computes it:
   gate taken in fp32 and the product cast to ``x.dtype`` at the end; a ``gate`` of None
   at the call skips it, as the models do.
 
+``frozen_eps`` (a number) is the other kind: a FrozenBatchNorm2d (DETR's and its
+descendants'), batch normalization in eval whose statistics and affine are buffers, run
+as ``normkit.functional.batch_norm(training=False)``; its epsilon is often a constant in
+the forward, found by the probe.
+
 The weight (and bias) broadcast over the normalized dims, so a ``(heads, head_dim)``
 weight with ``dims=1`` is a per-head norm, and a weight of the whole last dim with
 ``group`` is a grouped norm. The normalization is normkit's op with its hand-derived
@@ -65,6 +70,7 @@ class Recipe:
     offset: float = 0.0
     gate: tuple | None = None
     l2: bool = False
+    frozen_eps: float | None = None
 
 
 def _act(name, g):
@@ -106,8 +112,21 @@ def _affine(x_hat, dtype, weight, bias, recipe):
     return y if bias is None else y + bias
 
 
+def _frozen_batch_norm(module, recipe, x):
+    """Batch normalization with the statistics and affine of ``module``'s buffers (a
+    FrozenBatchNorm2d: ``weight``, ``bias``, ``running_mean``, ``running_var``), in the
+    dtype ``x * weight`` promotes to, as the models' ``x * scale + bias``."""
+    b = module._buffers
+    eps = recipe.frozen_eps if recipe.eps_name is None else getattr(module, recipe.eps_name)
+    x = x.to(torch.promote_types(x.dtype, b["weight"].dtype))
+    return nF.batch_norm(x, b["running_mean"], b["running_var"], b["weight"], b["bias"],
+                         False, 0.0, eps)
+
+
 def run(module, recipe, x, gate=None):
     """``recipe`` on ``x`` with ``module``'s epsilon, weight and bias (module docstring)."""
+    if recipe.frozen_eps is not None:
+        return _frozen_batch_norm(module, recipe, x)
     eps = getattr(module, recipe.eps_name)
     weight = module._parameters.get("weight")
     bias = module._parameters.get("bias")
@@ -138,6 +157,8 @@ def run(module, recipe, x, gate=None):
 
 def describe(recipe) -> str:
     """One line for the report: ``rms_norm over groups of 16, fp32, gate before (silu)``."""
+    if recipe.frozen_eps is not None:
+        return "batch_norm in eval with the buffers' statistics and affine (frozen)"
     what = "layer_norm" if recipe.center else "rms_norm"
     what += " as the L2 norm (eps / n, then / sqrt(n))" if recipe.l2 else ""
     where = (f" over groups of {recipe.group}" if recipe.group else
