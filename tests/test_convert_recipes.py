@@ -239,3 +239,23 @@ def test_converted_model_compiles_fullgraph(name):
     model.train()
     compiled(input_ids=_IDS).last_hidden_state.sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("path", ["d_fine.modeling_d_fine.DFineFrozenBatchNorm2d",
+                                  "detr.modeling_detr.DetrFrozenBatchNorm2d"])
+def test_frozen_batch_norm_runs_on_normkit_and_equals_the_untouched(path):
+    module = _class(path)(8)
+    with torch.no_grad():
+        for b in module.buffers():
+            b.copy_(torch.rand(8, generator=torch.Generator().manual_seed(0)) + 0.5)
+    converted = copy.deepcopy(module)
+    report = normkit.convert(nn.Sequential(converted))
+    assert report.left == [] and "batch_norm in eval" in report.routed[0][2], str(report)
+    xa = torch.randn(2, 8, 5, 7, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    xb = xa.detach().clone().requires_grad_()
+    want, got = module(xa), converted(xb)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-6)
+    assert list(converted.state_dict()) == list(module.state_dict())
