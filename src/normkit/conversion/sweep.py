@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import multiprocessing
 import os
@@ -156,19 +157,19 @@ def run_model(model_type, class_name):
     from normkit.conversion.classes import qualified
 
     record = {"model": model_type, "class": class_name}
-    for level in sweep_models.LEVELS:               # the first config that builds and runs
-        stage = "not built"
-        try:
+    stage = "not built"
+    for level, text_only in itertools.product(sweep_models.LEVELS, (False, True)):
+        try:                                # the first config and inputs that build and run
             untouched = sweep_models.build(model_type, class_name, level=level)
-            kwargs = sweep_models.inputs(untouched)
-            stage = "untouched fails"
+            kwargs = sweep_models.inputs(untouched, text_only=text_only)
             _step(untouched, kwargs, "eval")
             break
         except Exception as err:  # noqa: BLE001 -- any failure of the untouched: not tested
+            stage = "untouched fails" if "untouched" in locals() else stage
             error = f"{type(err).__name__}: {err}"[:300]
     else:
         return dict(record, status=stage, error=error)
-    record["level"] = level
+    record.update(level=level, text_only=text_only)
     converted = copy.deepcopy(untouched)
     norms = _norm_modules(untouched)
     report = normkit.convert(converted)

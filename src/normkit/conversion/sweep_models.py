@@ -101,9 +101,18 @@ def _shrink_value(name, v):
     return v
 
 
+def _get(config, name):
+    """``config.name``, None where it is missing or refuses to answer (a per-layer
+    attribute of a heterogeneous config)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 -- transformers' AmbiguousGlobalPerLayerAttributeError
+        return None
+
+
 def _fix(config):
     """Restore relations between the cut sizes that the models check."""
-    get = lambda n: getattr(config, n, None)  # noqa: E731
+    get = lambda n: _get(config, n)  # noqa: E731
     heads = next((get(n) for n in _HEADS if _int(get(n))), None)
     hidden = next((get(n) for n in ("hidden_size", "d_model", "n_embd") if _int(get(n))), None)
     for name in _KV_HEADS:
@@ -129,7 +138,7 @@ def _fix(config):
 
 def _keep_heads_value(name, v, config):
     """Level 2: fewer heads of the same size (rotary and per-head sizes stay valid)."""
-    get = lambda n: getattr(config, n, None)  # noqa: E731
+    get = lambda n: _get(config, n)  # noqa: E731
     if name in _LAYERS and _int(v):
         return min(v, 2)
     if name in ("depths",) and isinstance(v, (list, tuple)):
@@ -171,12 +180,12 @@ def _shrink(config, seen, level=1):
         if new is not value:
             try:
                 setattr(config, name, new)
-            except (ValueError, TypeError, AttributeError):
-                pass                                    # a checked field: keep its default
+            except Exception:  # noqa: BLE001 -- a checked field: keep its default
+                pass
     if level == 1:
         try:
             _fix(config)
-        except (ValueError, TypeError, AttributeError):
+        except Exception:  # noqa: BLE001 -- a relation it cannot restore: the model says
             pass
 
 
@@ -210,10 +219,10 @@ def build(model_type, class_name, seed=0, level=1):
 
 
 def _config_int(config, names, default):
-    for cfg in (config, *(getattr(config, n, None) for n in ("vision_config",
+    for cfg in (config, *(_get(config, n) for n in ("vision_config",
                                                              "text_config", "audio_config"))):
         for n in names:
-            v = getattr(cfg, n, None) if cfg is not None else None
+            v = _get(cfg, n) if cfg is not None else None
             if _int(v):
                 return v
             if isinstance(v, (list, tuple)) and v and _int(v[0]):
@@ -221,10 +230,11 @@ def _config_int(config, names, default):
     return default
 
 
-def inputs(model, seed=0, batch=2, length=8):
+def inputs(model, seed=0, batch=2, length=8, text_only=False):
     """Keyword inputs for ``model``'s forward, from its main input name and signature:
     token ids, pixels, audio samples or features, and decoder ids for an
-    encoder-decoder."""
+    encoder-decoder; ``text_only``: no pixels beside token ids (a vision-language model
+    whose text needs image tokens to take pixels)."""
     config = model.config
     gen = torch.Generator().manual_seed(seed)
     params = inspect.signature(model.forward).parameters
@@ -238,7 +248,7 @@ def inputs(model, seed=0, batch=2, length=8):
     if name == "input_ids" or "input_ids" in params and name not in params:
         out["input_ids"] = ids()
     if name == "pixel_values" or ("pixel_values" in params and "input_ids" in out
-                                  and "vision_config" in vars(config)):
+                                  and "vision_config" in vars(config) and not text_only):
         size = _config_int(config, ("image_size",), 224)
         channels = _config_int(config, ("num_channels",), 3)
         out["pixel_values"] = torch.randn(batch, channels, size, size, generator=gen)
