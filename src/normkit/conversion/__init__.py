@@ -48,6 +48,12 @@ _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMKIT_BASES = tuple(dst for _, dst, _ in swap.PAIRS) + (nknn._base.NormBase,)
 
 
+# the reason given for a module named like a norm that normalizes nothing
+NO_NORMALIZATION = ("it computes no normalization: on a probe input each output element "
+                    "depends on its own input element only (an elementwise affine), so "
+                    "there is nothing for normkit to run")
+
+
 def _norm_like(module) -> bool:
     """A torch norm layer, or a class named like one; not torch's weight and spectral norm
     parametrizations (``_WeightNorm``), which rescale weights, not activations."""
@@ -116,6 +122,8 @@ def _emulated(module, sig=None):
         return (sig,)
     recipe = emulate.find(module, sig)
     if isinstance(recipe, str):
+        if emulate.elementwise(module, sig):
+            return (NO_NORMALIZATION,)
         return (recipe,)
     return emulate.route_recipe(module, recipe, sig)
 

@@ -46,7 +46,7 @@ from normkit.conversion import recipes
 from normkit.conversion.classes import derived_class
 from normkit.conversion.recipes import Recipe
 
-__all__ = ["EPS_NAMES", "call_signature", "structure", "find", "route_recipe"]
+__all__ = ["EPS_NAMES", "call_signature", "structure", "find", "route_recipe", "elementwise"]
 
 EPS_NAMES = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "norm_eps",
              "rms_norm_eps", "layer_norm_epsilon")
@@ -279,6 +279,29 @@ def _frozen_search(module, sig):
     finally:
         buffers.update(saved)
     return "it holds FrozenBatchNorm buffers, but its forward is not batch_norm in eval"
+
+
+def elementwise(module, sig) -> bool:
+    """Whether ``module.forward`` computes no statistics at all: on a probe input, changing
+    one element changes no other output element (MobileBERT's ``NoNorm``, ``x * w + b``)."""
+    if sig[1] is not None and sig[2] is inspect.Parameter.empty:
+        return False
+    found = structure(module)
+    weight = found[1] if isinstance(found, tuple) else module._parameters.get("weight")
+    like = weight if weight is not None else torch.empty(0)
+    x = torch.randn((2,) + _width(module, weight), generator=torch.Generator().manual_seed(0))
+    x = x.to(like)
+    bumped = x.clone()
+    bumped.view(-1)[0] += 1.0
+    try:
+        with torch.no_grad():
+            y, yb = module.forward(x), module.forward(bumped)
+    except Exception:  # noqa: BLE001 -- foreign code failing on a probe input
+        return False
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return False
+    changed = (y != yb).view(-1)
+    return bool(changed[0]) and not bool(changed[1:].any())
 
 
 def find(module, sig):

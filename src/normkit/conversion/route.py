@@ -152,8 +152,25 @@ def _channels_last_forward(self, input):
     return nF.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
-_LAYOUTS = {"channels_first": (_channels_first_forward, (2, -1, 3, 5)),
-            "channels_last": (_channels_last_forward, (2, 3, 5, -1))}
+# probe shapes, -1 the channels: 4-D (ConvNeXt) and 3-D (SqueezeBERT's (N, C, W))
+_LAYOUTS = {"channels_first": (_channels_first_forward, ((2, -1, 3, 5), (2, -1, 5))),
+            "channels_last": (_channels_last_forward, ((2, 3, 5, -1), (2, 5, -1)))}
+
+
+def _agrees(module, forward, shape, c, gen, saved):
+    """Whether ``forward`` equals ``module.forward`` on a probe input of ``shape`` (None
+    where ``module.forward`` refuses that shape)."""
+    x = torch.randn([c if s == -1 else s for s in shape], generator=gen)
+    like = next((p for p in saved.values() if p is not None), None)
+    x = (x if like is None else x.to(like)) * 2 + 0.5   # the params' dtype, device
+    try:
+        want = module.forward(x)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return None
+    got = forward(module, x)
+    tol = 32 * torch.finfo(x.dtype).eps if x.dtype != torch.float64 else 1e-9
+    return (isinstance(want, torch.Tensor) and want.shape == got.shape and
+            torch.allclose(got.float(), want.float(), rtol=tol, atol=tol))
 
 
 def _probe_layout(module):
@@ -168,18 +185,9 @@ def _probe_layout(module):
                 if p is not None:
                     module._parameters[name] = nn.Parameter(
                         torch.randn(p.shape, generator=gen).to(p), requires_grad=False)
-            for layout, (forward, shape) in _LAYOUTS.items():
-                x = torch.randn([c if s == -1 else s for s in shape], generator=gen)
-                like = next((p for p in saved.values() if p is not None), None)
-                x = (x if like is None else x.to(like)) * 2 + 0.5   # the params' dtype, device
-                try:
-                    want = module.forward(x)
-                except (RuntimeError, ValueError, TypeError, IndexError):
-                    continue
-                got = forward(module, x)
-                tol = 32 * torch.finfo(x.dtype).eps if x.dtype != torch.float64 else 1e-9
-                if isinstance(want, torch.Tensor) and want.shape == got.shape and \
-                        torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+            for layout, (forward, shapes) in _LAYOUTS.items():
+                verdicts = [_agrees(module, forward, shape, c, gen, saved) for shape in shapes]
+                if True in verdicts and False not in verdicts:    # equal wherever it runs
                     return layout
     finally:
         module._parameters.update(saved)
