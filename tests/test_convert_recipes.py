@@ -259,3 +259,27 @@ def test_frozen_batch_norm_runs_on_normkit_and_equals_the_untouched(path):
     got.sum().backward()
     torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-6)
     assert list(converted.state_dict()) == list(module.state_dict())
+
+
+def test_channels_first_layer_norm_of_3d_inputs_is_routed():
+    from transformers.models.squeezebert.modeling_squeezebert import SqueezeBertLayerNorm
+
+    torch.manual_seed(0)
+    module = SqueezeBertLayerNorm(12)
+    with torch.no_grad():
+        module.weight.normal_()
+        module.bias.normal_()
+    converted = copy.deepcopy(module)
+    report = normkit.convert(nn.Sequential(converted))
+    assert report.routed and "channels_first" in report.routed[0][2], str(report)
+    x = torch.randn(2, 12, 7, requires_grad=True)
+    torch.testing.assert_close(converted(x), module(x), rtol=1e-5, atol=1e-6)
+
+
+def test_norm_named_module_that_normalizes_nothing_is_left_with_that_reason():
+    from transformers.models.mobilebert.modeling_mobilebert import NoNorm
+
+    model = nn.Sequential(NoNorm(8))
+    report = normkit.convert(model)
+    [(name, _, why)] = report.left
+    assert name == "0" and "computes no normalization" in why and "elementwise" in why
