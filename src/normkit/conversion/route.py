@@ -204,6 +204,15 @@ def _one_argument(forward) -> bool:
     return len(params) == 1 and params[0].kind in kinds
 
 
+def _named(forward, name):
+    """``forward`` taking its argument under ``name`` (the module's own: ``x``), so that a
+    call by keyword still binds."""
+    namespace = {"_forward": forward}
+    exec(f"def forward(self, {name}):\n    return _forward(self, {name})\n",  # noqa: S102
+         namespace)
+    return namespace["forward"]
+
+
 def route_layer_norm(module):
     """Route a LayerNorm subclass over one dim whose forward is channels-first or
     channels-last layer normalization; returns how, or None."""
@@ -213,8 +222,9 @@ def route_layer_norm(module):
     if layout is None:
         return None
     kind = type(module)
-    forward = _LAYOUTS[layout][0]
-    routed = derived_class(f"routed_{layout}", kind, (kind,),
+    name = next(iter(list(inspect.signature(kind.forward).parameters)[1:]))
+    forward = _named(_LAYOUTS[layout][0], name)
+    routed = derived_class(f"routed_{layout}_{name}", kind, (kind,),
                            lambda: dict(forward=forward, _normkit_routed_from=kind))
     module.__class__ = routed
     how = "layer_norm over dim 1" if layout == "channels_first" else "layer_norm"
