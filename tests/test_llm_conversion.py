@@ -196,7 +196,7 @@ def test_structure_is_verified_by_behaviour():
     assert [n for n, _, _ in report.swapped] == ["0"]
     assert model[0].casting == "llama" and model[0].offset == 0.0
     [(name, kind, why)] = report.left
-    assert name == "1" and "matches none of the RMSNorm rules" in why
+    assert name == "1" and "computes none of normkit's LayerNorm/RMSNorm recipes" in why
     assert "swapped 1 module(s), routed 0, left 1" in str(report)
 
 

@@ -37,7 +37,7 @@ import warnings
 from torch import nn
 
 import normkit.nn as nknn
-from normkit.conversion import fuse, llm, route, swap
+from normkit.conversion import emulate, fuse, llm, route, swap
 from normkit.conversion.classes import qualified
 from normkit.conversion.report import ConversionReport
 
@@ -48,8 +48,18 @@ _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMKIT_BASES = tuple(dst for _, dst, _ in swap.PAIRS) + (nknn._base.NormBase,)
 
 
+# the reason given for a module named like a norm that normalizes nothing
+NO_NORMALIZATION = ("it computes no normalization: on a probe input each output element "
+                    "depends on its own input element only (an elementwise affine), so "
+                    "there is nothing for normkit to run")
+
+
 def _norm_like(module) -> bool:
-    return isinstance(module, _TORCH_BASES) or "Norm" in type(module).__name__
+    """A torch norm layer, or a class named like one; not torch's weight and spectral norm
+    parametrizations (``_WeightNorm``), which rescale weights, not activations."""
+    kind = type(module)
+    return isinstance(module, _TORCH_BASES) or ("Norm" in kind.__name__ and
+                                                not kind.__module__.startswith("torch.nn.utils"))
 
 
 def _convert_one(name, module, report):
@@ -71,20 +81,13 @@ def _convert_one(name, module, report):
             report.left.append((name, qualified(kind), str(err)))
             return None
         how = route.route_layer_norm(module) if isinstance(module, nn.LayerNorm) else None
-        how = how or route.route(module, src)
-        if how is not None:
-            report.routed.append((name, qualified(kind), how))
-        else:
+        how = how or route.route(module, src) or _emulated(module)
+        if isinstance(how, tuple):
             report.left.append((name, qualified(kind), f"subclass of {qualified(src)} that "
                                 f"{reason} without calling torch.nn.functional's norm ops, "
-                                f"so normkit cannot tell what it computes"))
-        return None
-    eps_name = llm.rms_structure(module)
-    if eps_name is not None:
-        rule = llm.probe_rule(module, eps_name)
-        if isinstance(rule, tuple):
-            return llm.swap_rms(module, eps_name, rule)
-        report.left.append((name, qualified(kind), f"RMSNorm-shaped, but {rule}"))
+                                f"and {how[0]}"))
+        else:
+            report.routed.append((name, qualified(kind), how))
         return None
     conv = next((c for c in _CONVS if isinstance(module, c)), None)
     if conv is not None and kind is not conv:
@@ -95,11 +98,34 @@ def _convert_one(name, module, report):
     if isinstance(module, _TORCH_BASES):
         report.left.append((name, qualified(kind), "a torch norm class normkit has no twin for "
                             "(a lazy layer: run one forward first, then convert)"))
-    elif _norm_like(module) and not module._modules:
-        report.left.append((name, qualified(kind), "norm-like name, but neither a torch norm "
-                            "subclass nor an RMSNorm with a weight and an epsilon attribute "
-                            "('variance_epsilon' or 'eps')"))
+        return None
+    eps_name = llm.rms_structure(module)
+    if not (_norm_like(module) or eps_name is not None) or module._modules:
+        return None
+    sig = emulate.call_signature(module)
+    if eps_name is not None and isinstance(sig, tuple) and sig[1] is None:
+        rule = llm.probe_rule(module, eps_name)      # a swap only for forward(self, x)
+        if isinstance(rule, tuple):
+            return llm.swap_rms(module, eps_name, rule, sig[0])
+    how = route.route(module, nn.Module) or _emulated(module, sig)
+    if isinstance(how, tuple):
+        report.left.append((name, qualified(kind), f"norm-like, but {how[0]}"))
+    else:
+        report.routed.append((name, qualified(kind), how))
     return None
+
+
+def _emulated(module, sig=None):
+    """Route ``module`` to the recipe its forward computes: how (a str), or (why not,)."""
+    sig = emulate.call_signature(module) if sig is None else sig
+    if isinstance(sig, str):
+        return (sig,)
+    recipe = emulate.find(module, sig)
+    if isinstance(recipe, str):
+        if emulate.elementwise(module, sig):
+            return (NO_NORMALIZATION,)
+        return (recipe,)
+    return emulate.route_recipe(module, recipe, sig)
 
 
 def _revert_one(name, module, report):

@@ -81,8 +81,9 @@ def _fusable_norm(norm) -> bool:
     """A normkit RMSNorm / LayerNorm running its own class's forward, without hooks of
     its own or global ones (``register_module_forward_hook``)."""
     kind = type(norm)
-    if isinstance(norm, nknn.RMSNorm):
-        plain = kind.forward is nknn.RMSNorm.forward
+    if isinstance(norm, nknn.RMSNorm):     # (or llm's forward taking the model's arg name)
+        plain = nknn.RMSNorm.forward in (kind.forward,
+                                         getattr(kind.forward, "_normkit_forward_of", None))
     elif isinstance(norm, nknn.LayerNorm):
         plain = kind.forward is nknn.LayerNorm.forward
     else:

@@ -102,13 +102,28 @@ def _eps_alias(eps_name):
                                doc="The model's name for eps.")}
 
 
-def swap_rms(module, eps_name, rule):
-    """The ``normkit.nn.RMSNorm`` for an RMSNorm-shaped ``module`` with ``rule``."""
+def _named_forward(input_name):
+    """``RMSNorm.forward`` under the model's name for its argument (``hidden_states``), so
+    that a call by keyword still binds; nothing where the name is torch's ``input``."""
+    if input_name == "input":
+        return {}
+    namespace = {"_forward": nknn.RMSNorm.forward}
+    exec(f"def forward(self, {input_name}):\n"                             # noqa: S102
+         f"    return _forward(self, {input_name})\n", namespace)
+    forward = namespace["forward"]
+    forward._normkit_forward_of = nknn.RMSNorm.forward      # the same code (fuse checks it)
+    return {"forward": forward}
+
+
+def swap_rms(module, eps_name, rule, input_name="input"):
+    """The ``normkit.nn.RMSNorm`` for an RMSNorm-shaped ``module`` with ``rule``, whose
+    forward takes one argument named ``input_name``."""
     kind = type(module)
     casting, offset = rule
     derived = derived_class(
-        f"rms_{eps_name}", kind, (nknn.RMSNorm,),
-        lambda: dict(_eps_alias(eps_name), _normkit_source=(kind, eps_name)))
+        f"rms_{eps_name}_{input_name}", kind, (nknn.RMSNorm,),
+        lambda: dict(**_eps_alias(eps_name), **_named_forward(input_name),
+                     _normkit_source=(kind, eps_name)))
     weight = module._parameters["weight"]
     new = derived(tuple(weight.shape), eps=getattr(module, eps_name), device="meta",
                   offset=offset, casting=casting)

@@ -34,6 +34,7 @@ standardization, ``normkit.convert``'s step 4).
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -151,8 +152,25 @@ def _channels_last_forward(self, input):
     return nF.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
-_LAYOUTS = {"channels_first": (_channels_first_forward, (2, -1, 3, 5)),
-            "channels_last": (_channels_last_forward, (2, 3, 5, -1))}
+# probe shapes, -1 the channels: 4-D (ConvNeXt) and 3-D (SqueezeBERT's (N, C, W))
+_LAYOUTS = {"channels_first": (_channels_first_forward, ((2, -1, 3, 5), (2, -1, 5))),
+            "channels_last": (_channels_last_forward, ((2, 3, 5, -1), (2, 5, -1)))}
+
+
+def _agrees(module, forward, shape, c, gen, saved):
+    """Whether ``forward`` equals ``module.forward`` on a probe input of ``shape`` (None
+    where ``module.forward`` refuses that shape)."""
+    x = torch.randn([c if s == -1 else s for s in shape], generator=gen)
+    like = next((p for p in saved.values() if p is not None), None)
+    x = (x if like is None else x.to(like)) * 2 + 0.5   # the params' dtype, device
+    try:
+        want = module.forward(x)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return None
+    got = forward(module, x)
+    tol = 32 * torch.finfo(x.dtype).eps if x.dtype != torch.float64 else 1e-9
+    return (isinstance(want, torch.Tensor) and want.shape == got.shape and
+            torch.allclose(got.float(), want.float(), rtol=tol, atol=tol))
 
 
 def _probe_layout(module):
@@ -167,35 +185,46 @@ def _probe_layout(module):
                 if p is not None:
                     module._parameters[name] = nn.Parameter(
                         torch.randn(p.shape, generator=gen).to(p), requires_grad=False)
-            for layout, (forward, shape) in _LAYOUTS.items():
-                x = torch.randn([c if s == -1 else s for s in shape], generator=gen)
-                like = next((p for p in saved.values() if p is not None), None)
-                x = (x if like is None else x.to(like)) * 2 + 0.5   # the params' dtype, device
-                try:
-                    want = module.forward(x)
-                except (RuntimeError, ValueError, TypeError, IndexError):
-                    continue
-                got = forward(module, x)
-                tol = 32 * torch.finfo(x.dtype).eps if x.dtype != torch.float64 else 1e-9
-                if isinstance(want, torch.Tensor) and want.shape == got.shape and \
-                        torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+            for layout, (forward, shapes) in _LAYOUTS.items():
+                verdicts = [_agrees(module, forward, shape, c, gen, saved) for shape in shapes]
+                if True in verdicts and False not in verdicts:    # equal wherever it runs
                     return layout
     finally:
         module._parameters.update(saved)
     return None
 
 
+def _one_argument(forward) -> bool:
+    """Whether ``forward(self, x)`` takes exactly one argument (the replacement's)."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(params) == 1 and params[0].kind in kinds
+
+
+def _named(forward, name):
+    """``forward`` taking its argument under ``name`` (the module's own: ``x``), so that a
+    call by keyword still binds."""
+    namespace = {"_forward": forward}
+    exec(f"def forward(self, {name}):\n    return _forward(self, {name})\n",  # noqa: S102
+         namespace)
+    return namespace["forward"]
+
+
 def route_layer_norm(module):
     """Route a LayerNorm subclass over one dim whose forward is channels-first or
     channels-last layer normalization; returns how, or None."""
-    if len(module.normalized_shape) != 1:
+    if len(module.normalized_shape) != 1 or not _one_argument(type(module).forward):
         return None
     layout = _probe_layout(module)
     if layout is None:
         return None
     kind = type(module)
-    forward = _LAYOUTS[layout][0]
-    routed = derived_class(f"routed_{layout}", kind, (kind,),
+    name = next(iter(list(inspect.signature(kind.forward).parameters)[1:]))
+    forward = _named(_LAYOUTS[layout][0], name)
+    routed = derived_class(f"routed_{layout}_{name}", kind, (kind,),
                            lambda: dict(forward=forward, _normkit_routed_from=kind))
     module.__class__ = routed
     how = "layer_norm over dim 1" if layout == "channels_first" else "layer_norm"
@@ -209,4 +238,5 @@ def is_routed(module) -> bool:
 def unroute(module) -> str:
     """Give a routed module its own class back; returns that class's name."""
     module.__class__ = type(module)._normkit_routed_from
+    module.__dict__.pop("_normkit_recipe", None)            # (routed to a recipe)
     return type(module).__qualname__

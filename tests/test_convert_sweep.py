@@ -1,0 +1,47 @@
+"""The CI slice of ``python -m normkit.conversion.sweep``: transformers base models built
+from small default configs, an eval forward and a training step untouched, converted and in
+float64; none breaks, none differs, every norm module runs on normkit."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from normkit.conversion import sweep, sweep_models  # noqa: E402
+
+CLASSES = dict(sweep_models.base_models())
+
+
+@pytest.mark.parametrize("model_type", sweep.FAST)
+def test_fast_slice_model_neither_breaks_nor_differs(model_type):
+    record = sweep.run_model(model_type, CLASSES[model_type])
+    assert record["status"] == "tested", record
+    assert record["norms"] > 0 and record["on_normkit"] == record["norms"], record["left"]
+    for mode in ("eval", "train"):
+        step = record["steps"][mode]
+        assert "broken" not in step, step
+        assert "different" in step, step                 # judged against float64
+        assert not step["different"], (mode, step)
+
+
+def test_different_is_materially_worse_than_the_untouched_error():
+    assert not sweep.different(2e-6, 1e-6)       # rounding in another order
+    assert not sweep.different(5e-7, 0.0)        # within the floor
+    assert sweep.different(1e-3, 1e-6)           # a wrong formula
+    assert sweep.different(float("nan"), 1e-6)
+    assert sweep.different(float("inf"), 1e-6)
+
+
+def test_command_writes_resumable_records_and_summarizes(tmp_path, capsys):
+    out = tmp_path / "sweep.jsonl"
+    sweep.main(["olmo", "--out", str(out)])
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["model"] == "olmo" and record["status"] == "tested"
+    printed = capsys.readouterr().out
+    assert "broken: 0" in printed and "different: 0" in printed and "(100.00 %)" in printed
+    sweep.main(["olmo", "--out", str(out)])                  # resumed: nothing runs again
+    assert len(out.read_text().splitlines()) == 1
+    with pytest.raises(SystemExit):
+        sweep.main(["no_such_model", "--out", str(out)])
