@@ -23,12 +23,12 @@ def ops_table(out: Path) -> list[str]:
         side = path.stem.split("-")[1]
         for alloc, block in json.loads(path.read_text())["allocators"].items():
             for r in block["results"]:
-                key = (r["op"], r["shape"], r["dtype"], r.get("layout", ""), r["mode"], alloc)
+                key = (r["op"], tuple(r["shape"]), r["dtype"], r.get("layout", ""), r["mode"], alloc)
                 ratios[key][side].append(r["normkit_s"] / r["torch_s"])
     lines = ["| op | shape | dtype | layout | mode | allocator | before: nk/torch | after: nk/torch |",
              "|---|---|---|---|---|---|---:|---:|"]
     for key, sides in ratios.items():
-        shape = "x".join(str(s) for s in key[1]) if isinstance(key[1], list) else key[1]
+        shape = "x".join(str(s) for s in key[1])
         lines.append(f"| {key[0]} | {shape} | {key[2]} | {key[3]} | {key[4]} | {key[5]} | "
                      f"{_span(sides.get('before', [0]))} | {_span(sides.get('after', [0]))} |")
     return lines

@@ -357,12 +357,12 @@ def test_eval_layer_keeps_its_node_and_matches_the_full_path_and_torch():
     y.add_(1.0)                                                # an output of its own
 
 
-def test_eval_layer_node_refusals_take_the_full_path():
+def test_eval_layer_plan_checks_what_it_is_given():
     ours, theirs, x = _eval_bn()
     with torch.no_grad():
         ours(x)
         ours.weight.data = torch.ones(5)                       # same Parameter, wrong size
-        with pytest.raises(RuntimeError, match="should contain 6 elements not 5"):
+        with pytest.raises(RuntimeError, match="a weight or bias of 6 elements"):
             ours(x)
         ours.weight.data = theirs.weight.data.clone()
         ours.running_var.data = ours.running_var.data.double()  # another dtype: converted

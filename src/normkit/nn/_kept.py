@@ -10,9 +10,9 @@ through the one call path, ``normkit.ops.run``, with its own parameters and buff
 The full path (``normkit.functional``) runs instead for anything else: traced calls, a
 tensor subclass or a dispatch mode, a non-contiguous input (but channels_last for
 BatchNorm and GroupNorm), a subclass of the layer (parametrized layers are one), an input
-the layer's checks refuse (it raises there, with its message), and parameters or buffers
-of another size or device than the plan's (after ``.to()`` or ``param.data = ...``:
-``_fit``, checked per call). ``normkit.backends.clear_plans`` starts a new plan epoch,
+the layer's checks refuse (it raises there, with its message). Parameters or buffers of
+another size or device than the plan's (after ``param.data = ...``) are the plan's error,
+which says what it expected. ``normkit.backends.clear_plans`` starts a new plan epoch,
 which drops the kept plans; copies and pickles leave them behind (``__getstate__``).
 """
 
@@ -78,17 +78,6 @@ class KeptPlan:
             return None
         return params["weight"], params["bias"]
 
-    @staticmethod
-    def _fit(n, device, *tensors) -> bool:
-        """Whether each tensor (or None) has ``n`` elements on ``device``: what a plan takes
-        besides its input, whose shape, strides, dtype and device the kept key fixes
-        (after ``param.data = ...`` or ``.to()`` they may not; the full path then runs and
-        reports)."""
-        for t in tensors:
-            if t is not None and (t.numel() != n or t.device != device):
-                return False
-        return True
-
     def _affine_call(self, x):
         """``y`` of a layer with ``weight``, ``bias``, ``eps`` and a ``_build`` from its
         kept plan (LayerNorm, GroupNorm), or None: the full path runs."""
@@ -97,12 +86,15 @@ class KeptPlan:
         params = self._own_params()
         if params is None:
             return None
-        return self._call_plan(x, self._kept(x, "_plan", self._build), self.eps, *params,
-                               self._param_count)
+        return self._call_plan(x, self._kept(x, "_plan", self._build), self.eps, *params)
 
-    def _call_plan(self, x, found, eps, w, b, n):
+    @staticmethod
+    def _call_plan(x, found, eps, w, b):
         """``y`` of the kept plan ``found`` (batch statistics, none kept: the per-sample
-        layers), or None where there is none or ``w``, ``b`` do not fit it (``_fit``)."""
-        if found is None or found[0] is None or not self._fit(n, x.device, w, b):
+        layers), or None where there is none. The plan checks every tensor it is given
+        besides the input, whose shape, strides, dtype and device the kept key fixes: a
+        weight of another size or device (after ``param.data = ...``) is an error that
+        says what it expected."""
+        if found is None or found[0] is None:
             return None
-        return ops.run(found[0], x, w, b, eps, keep_stats=False)[0]
+        return ops.run(found[0], x, w, b, eps, None, None, False)[0]

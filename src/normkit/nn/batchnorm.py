@@ -56,10 +56,8 @@ class _BatchNorm(KeptPlan, NormBase):
         if kept is None or kept[0] is None or own is None or not self.eps > 0:
             return None
         (plan, unbias), (w, b, running_mean, running_var) = kept, own
-        if not self._fit(self.num_features, x.device, w, b, running_mean, running_var):
-            return None
-        return ops.run(plan, x, w, b, self.eps, keep_stats=False,
-                       running=(running_mean, running_var, factor, unbias))[0]
+        return ops.run(plan, x, w, b, self.eps, None, None, False, None,
+                       (running_mean, running_var, factor, unbias))[0]
 
     def _eval_call(self, x):
         """Eval without a gradient: the kept plan (``normkit.nn._kept``) called with the
@@ -71,8 +69,6 @@ class _BatchNorm(KeptPlan, NormBase):
         if kept is None or kept[0] is None or own is None or self.eps < 0:
             return None
         w, b, running_mean, running_var = own
-        if not self._fit(self.num_features, x.device, w, b, running_mean, running_var):
-            return None
         return ops.run(kept[0], x, w, b, self.eps, running_mean, None, False, running_var)[0]
 
     def _exponential_average_factor(self) -> float:

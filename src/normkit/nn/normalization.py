@@ -3,7 +3,6 @@ and eval agree)."""
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -68,10 +67,6 @@ class LayerNorm(KeptPlan, nn.Module):
 
     def reset_parameters(self) -> None:
         reset_affine(self)
-
-    @property
-    def _param_count(self) -> int:
-        return math.prod(self.normalized_shape)
 
     def _build(self, x):
         """(node, None) of the plan for ``x`` (``KeptPlan``), None for an input the full path
@@ -141,10 +136,6 @@ class GroupNorm(KeptPlan, nn.Module):
 
     def reset_parameters(self) -> None:
         reset_affine(self)
-
-    @property
-    def _param_count(self) -> int:
-        return self.num_channels
 
     def _build(self, x):
         """(node, None) of the plan for ``x`` (``KeptPlan``), None for an input the full path
@@ -219,10 +210,6 @@ class RMSNorm(KeptPlan, nn.Module):
         if self.weight is not None:
             nn.init.constant_(self.weight, 1.0 - self.offset)   # offset + weight = 1
 
-    @property
-    def _param_count(self) -> int:
-        return math.prod(self.normalized_shape)
-
     def _build(self, x):
         """(node, eps) of the plan for ``x`` (``KeptPlan``; eps None: the dtype's), None
         for an input the full path must check, or that it handles (an offset, a model's
@@ -239,8 +226,7 @@ class RMSNorm(KeptPlan, nn.Module):
             found = self._kept(input, "_plan", self._build)
             if found is not None:
                 eps = found[1] if self.eps is None else self.eps
-                y = self._call_plan(input, found, eps, self._parameters["weight"], None,
-                                    self._param_count)
+                y = self._call_plan(input, found, eps, self._parameters["weight"], None)
                 if y is not None:
                     return y
         return F.rms_norm(input, self.normalized_shape, self.weight, self.eps,
