@@ -260,8 +260,10 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, cast
         ...              casting="gemma")
     """
     shape = _check_normalized_shape(input, normalized_shape, weight, None, "rms_norm")
-    if eps is None:
-        eps = torch.finfo(input.dtype).eps
+    if eps is None:    # (under autocast the op computes in fp32, as torch's does: its eps)
+        half = input.dtype in (torch.float16, torch.bfloat16)
+        eps = torch.finfo(torch.float32 if half and torch.is_autocast_enabled(
+            input.device.type) else input.dtype).eps
     check_casting(casting, offset, weight)
     if casting != "torch":                       # normalize as the model does, then its cast
         x = input.to(normalize_dtype(input, casting))
