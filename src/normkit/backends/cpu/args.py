@@ -23,6 +23,7 @@ loaded), and refuses a table that lacks one of its names.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import NamedTuple
 
@@ -55,8 +56,10 @@ class Work(NamedTuple):
     scratch: int = 0
 
 
+@functools.cache
 def parameters(entry) -> tuple:
-    """The slot names an entry reads, in order (its parameters before ``_TAIL``)."""
+    """The slot names an entry reads, in order (its parameters before ``_TAIL``; read
+    from its signature once per entry)."""
     names = tuple(inspect.signature(entry.py_func).parameters)
     if names[-len(_TAIL):] != _TAIL:
         raise TypeError(f"{entry.__name__}: a kernel entry ends with the parameters "
