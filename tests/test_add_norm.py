@@ -1,7 +1,7 @@
 """The residual-add norms ``add_layer_norm`` / ``add_rms_norm`` and their memory-saving
-backward on CPU, through the composite path, against torch's ``F.layer_norm(x + r)`` /
-``F.rms_norm(x + r)`` (values and gradients), plus the zero-weight fallback, the switch,
-double backward and errors. The fused CUDA kernels of the same ops are checked in
+backward on CPU against torch's ``F.layer_norm(x + r)`` / ``F.rms_norm(x + r)`` (values
+and gradients), the one-pass CPU route against normkit's own add followed by the norm (the
+same bits), plus the zero-weight fallback, the switch, double backward and errors. The fused CUDA kernels of the same ops are checked in
 ``tests/test_gpu_kernels.py`` (interpreter and ``TestCuda``).
 """
 
@@ -97,6 +97,50 @@ def test_memory_saving_falls_back_when_a_weight_is_zero():
         assert_close(a, e, grad=True)
 
 
+@pytest.mark.parametrize("op", ["layer", "rms"])
+@pytest.mark.parametrize("shape", [(5, 37), (300, 257)], ids=str)   # serial; threaded
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("use_h", [True, False], ids=["y_and_h", "y_only"])
+def test_cpu_add_norm_is_one_pass_with_the_bits_of_add_then_norm(op, shape, dtype, use_h):
+    # the executor's one pass (x and r read once, h and y written together; dh = the
+    # norm's gradient rounded, plus h's own) gives exactly what x + r followed by
+    # normkit's norm gives, forward and backward
+    g = torch.Generator().manual_seed(0)
+    k = shape[-1]
+    x, r, gy, gh = (torch.randn(shape, generator=g).to(dtype) for _ in range(4))
+    w = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    b = (0.1 * torch.randn(k, generator=g)).to(dtype) if op == "layer" else None
+    params = [w] + ([b] if b is not None else [])
+    grads = []
+    for fused in (True, False):
+        xs, rs = x.clone().requires_grad_(True), r.clone().requires_grad_(True)
+        ps = [p.clone().requires_grad_(True) for p in params]
+        bs = ps[1] if b is not None else None
+        if fused:
+            y, h = _pair(op, xs, rs, (k,), ps[0], bs)
+            assert type(y.grad_fn).__name__ == "AddNormFunctionBackward"
+            saved = [t.data_ptr() for t in y.grad_fn.saved_tensors if t is not None]
+            assert h.data_ptr() in saved                            # h kept, not x or r
+            assert xs.data_ptr() not in saved and rs.data_ptr() not in saved
+        else:
+            h = xs + rs
+            y = (NF.layer_norm(h, (k,), ps[0], bs) if op == "layer"
+                 else NF.rms_norm(h, (k,), ps[0]))
+        loss = (y.float() * gy.float()).sum() + ((h.float() * gh.float()).sum() if use_h else 0)
+        grads.append((y, h, *torch.autograd.grad(loss, (xs, rs, *ps))))
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)
+
+
+def test_cpu_add_norm_plans_are_layer_plans_only():
+    from normkit import grouping as G
+
+    x = torch.randn(4, 3, 5, 5)
+    plan = backends.plan(x, G.batch(tuple(x.shape)))
+    with pytest.raises(RuntimeError, match="LayerNorm/RMSNorm plans only"):
+        plan.add_forward(x, x, None, None, 1e-5)
+
+
 def test_memory_saving_switch():
     assert not backends.memory_saving_enabled()
     with backends.memory_saving(True):
@@ -104,8 +148,9 @@ def test_memory_saving_switch():
         x = torch.randn(3, 4, requires_grad=True)
         y, _ = NF.add_rms_norm(x, torch.randn(3, 4), (4,), torch.ones(4))
         assert y.grad_fn is not None and "AddNorm" in type(y.grad_fn).__name__
-        y2, _ = NF.add_rms_norm(x, torch.randn(3, 4), (4,), torch.ones(4), memory_saving=False)
-        assert "AddNorm" not in type(y2.grad_fn).__name__
+        y2, h2 = NF.add_rms_norm(x, torch.randn(3, 4), (4,), torch.ones(4), memory_saving=False)
+        saved = [t.data_ptr() for t in y2.grad_fn.saved_tensors if t is not None]
+        assert h2.data_ptr() in saved and y2.data_ptr() not in saved   # the input h, not y
     assert not backends.memory_saving_enabled()
     backends.memory_saving(True)
     try:

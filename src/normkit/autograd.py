@@ -28,24 +28,25 @@ outputs; since ``dh/dx = dh/dresidual = 1`` both inputs receive
 
 Paths:
 
-* a backend with ``fused_add_forward`` (the GPU one, on CUDA tensors): one kernel each
-  way, the ``+ g_h`` folded into the backward kernel;
-* otherwise ``h = x + residual`` then the dispatched norm (the numba or composite
-  backend), with the same saved tensors and backward -- this is what runs on CPU;
-* no memory saving and no fused backend, or traced by torch.compile / torch.export:
+* one pass each way: a plan with ``add_forward`` (the CPU executor: x and residual read
+  once, h and y written in the same pass, the ``+ g_h`` folded into the store of dh) or a
+  backend with ``fused_add_forward`` (the GPU one, on CUDA tensors: one kernel each way);
+* otherwise (the composite backend) ``h = x + residual`` then the dispatched norm, with
+  the same saved tensors and backward;
+* traced by torch.compile / torch.export, or no fused route without memory saving:
   ``add_*`` do not use this Function at all but ``x + residual`` and
   ``normkit.functional``'s op, which also supports double backward.
 
 Memory-saving backward (opt-in, ``normkit.backends.memory_saving``): save the output
 ``y`` instead of ``h`` and recompute ``xhat = (y - b) / w``. It needs every weight element
-nonzero; with a zero the forward saves ``h`` as usual. Double backward through this
-Function is not supported (``once_differentiable``).
+nonzero; with a zero the forward saves ``h`` as usual. Double backward: through the
+registered ``norm_backward`` operator (as ``NormFunction``), from the saved ``h``; not
+with the memory-saving backward (an error).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from normkit import backends
 from normkit import grouping as G
@@ -176,30 +177,43 @@ class AddNormFunction(torch.autograd.Function):
     def forward(ctx, x, residual, weight, bias, eps, center, memory_saving):
         grouping = G.layer(tuple(x.shape), 1)
         backend = backends.select(x, grouping, center)
+        plan = backends.plan(x, grouping, center)
         fused = hasattr(backend, "fused_add_forward")
         if fused:
             y, h, mean, rstd = backend.fused_add_forward(x, residual, weight, bias, eps,
                                                          center)
+        elif hasattr(plan, "add_forward"):
+            y, h, mean, rstd = plan.add_forward(x, residual, weight, bias, eps)
         else:
             h = x + residual
-            backend = backends.select(h, grouping, center)
-            y, mean, rstd, _ = backend.forward(h, grouping, weight, bias, eps, center)
+            y, mean, rstd, _ = plan.forward(h, weight, bias, eps)
         from_y = bool(memory_saving) and (weight is None or not bool((weight == 0).any()))
         ctx.save_for_backward(y if from_y else h, weight, bias, mean, rstd)
-        ctx.backend, ctx.fused, ctx.from_y = backend, fused, from_y
-        ctx.grouping, ctx.center = grouping, center
+        ctx.backend, ctx.plan, ctx.fused, ctx.from_y = backend, plan, fused, from_y
+        ctx.grouping, ctx.center, ctx.eps = grouping, center, eps
         return y, h
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_y, grad_h):
         saved, weight, bias, mean, rstd = ctx.saved_tensors
         nx, nr, nw, nb = ctx.needs_input_grad[:4]
         needs = (nx or nr, nw, nb)
-        if ctx.fused:
+        if torch.is_grad_enabled():    # double backward: the operator's formula, through h
+            if ctx.from_y:
+                raise RuntimeError("the memory-saving backward of add_layer_norm / "
+                                   "add_rms_norm cannot be differentiated; call them with "
+                                   "memory_saving=False for a double backward")
+            dh, dw, db = torch.ops.normkit.norm_backward.default(
+                grad_y, saved, mean, rstd, weight, *grouping_args(ctx.grouping), ctx.eps,
+                ctx.center, False, list(needs))
+        elif ctx.fused:
             dh, dw, db = ctx.backend.fused_add_backward(
                 grad_y, grad_h, saved, mean.reshape(-1), rstd.reshape(-1), weight, bias,
                 ctx.center, ctx.from_y, needs)
+        elif not ctx.from_y and hasattr(ctx.plan, "add_forward"):
+            dh, dw, db = ctx.plan.backward(grad_y, saved, mean, rstd, weight, needs,
+                                           grad_h=grad_h)
+            grad_h = None                                          # (added in the pass)
         elif ctx.from_y:
             # memory-saving path: y = w * xhat + b gives xhat back, x itself was not kept
             sd = mean.dtype
@@ -211,9 +225,8 @@ class AddNormFunction(torch.autograd.Function):
             dh, dw, db = torch_ops.backward(grad_y, saved, mean, rstd.reshape(-1, 1), weight,
                                             ctx.grouping, ctx.center, False, needs, xhat=xhat)
         else:
-            dh, dw, db = ctx.backend.backward(grad_y, saved, mean, rstd, weight,
-                                              ctx.grouping, ctx.center, False, needs)
-        if not ctx.fused and dh is not None and grad_h is not None:
+            dh, dw, db = ctx.plan.backward(grad_y, saved, mean, rstd, weight, needs)
+        if (torch.is_grad_enabled() or not ctx.fused) and dh is not None and grad_h is not None:
             dh = dh + grad_h                                       # the direct path of h
         dw = None if dw is None or weight is None else dw.reshape(weight.shape).to(weight.dtype)
         db = None if db is None or bias is None else db.reshape(bias.shape).to(bias.dtype)

@@ -376,6 +376,13 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
     return y, mean, var
 
 
+def _add_fused(xv, grouping, center):
+    """Whether the add and the norm of ``xv`` run in one pass each way: the plan's
+    ``add_forward`` (the CPU executor) or the backend's ``fused_add_forward`` (GPU)."""
+    return (hasattr(backends.select(xv, grouping, center), "fused_add_forward")
+            or hasattr(backends.plan(xv, grouping, center), "add_forward"))
+
+
 def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_saving):
     """``(norm(x + residual), x + residual)`` over the last ``normalized_ndim`` dims
     (arguments already validated by ``normkit.functional.add_layer_norm`` /
@@ -385,8 +392,7 @@ def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_sav
         memory_saving = backends.memory_saving_enabled()
     xv = x.reshape(grouping.view)                                  # M, K
     rv = residual.reshape(grouping.view)
-    backend = backends.select(xv, grouping, center)
-    if tracing() or (not memory_saving and not hasattr(backend, "fused_add_forward")):
+    if tracing() or (not memory_saving and not _add_fused(xv, grouping, center)):
         # traced (compile, export, ONNX): the registered norm after a plain add
         h = x + residual
         return apply_norm(h, grouping, weight, bias, eps, center)[0], h

@@ -4,9 +4,10 @@ The C++ executor calls every kernel through one C signature, ``void(int64 *a, do
 Each argument has a name and one slot of ``a``, the same in every kernel (``SLOTS``):
 
 ``TENSORS``   addresses of contiguous memory, filled by the node per call: the input and
-              output (storage dtype), parameters and statistics (statistics dtype), and
+              output (storage dtype), parameters and statistics (statistics dtype),
               ``scratch``, the call's scratch of ``Work.scratch`` bytes (its layout is
-              written at the entry that uses it, ``entries``)
+              written at the entry that uses it, ``entries``), and the residual-add norms'
+              residual ``r``, sum ``h`` and its gradient ``gh`` (0: none)
 ``PER_CALL``  filled by the node per call: ``from_var`` (fixed statistics come as a
               variance), ``stream`` (non-temporal stores), ``stage``, and the range of work
               items ``[lo, hi)``
@@ -32,7 +33,8 @@ from numba import cfunc, types
 __all__ = ["SLOTS", "TENSORS", "PER_CALL", "CONSTANTS", "Work", "callback", "constants",
            "parameters"]
 
-TENSORS = ("x", "y", "w", "b", "mean", "rstd", "var", "g", "dx", "dw", "db", "scratch")
+TENSORS = ("x", "y", "w", "b", "mean", "rstd", "var", "g", "dx", "dw", "db", "scratch", "r", "h",
+           "gh")
 PER_CALL = ("from_var", "stream", "stage", "lo", "hi")
 CONSTANTS = ("m", "k", "n", "c", "s", "groups", "center", "fixed", "ahead", "block",
              "block_bwd", "small", "rows", "run", "parts", "sn", "cg", "count", "per_sample",

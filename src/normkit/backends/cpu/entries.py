@@ -70,28 +70,31 @@ def _given(mean, rstd, units, from_var, eps, sproto):
 # ---- rows: LayerNorm / RMSNorm on (M, K) ------------------------------------------------
 
 @njit(**JIT)
-def rows_forward(x, y, w, b, mean, rstd, var, m, k, center, ahead, stream, lo, hi, eps,
+def rows_forward(x, y, w, b, mean, rstd, var, r, h, m, k, center, ahead, stream, lo, hi, eps,
                  proto, sproto):
-    """The rows [lo, hi): x, y (M, K); w, b (K,); mean, rstd, var (M,) written."""
+    """The rows [lo, hi): x, y (M, K); w, b (K,); mean, rstd, var (M,) written; r, h (M, K)
+    where given (address not 0): h = x + r, normalized."""
     stats = (_stat(mean, sproto, m), _stat(rstd, sproto, m), _stat(var, sproto, m))
+    add = (r != 0, _at(r if r else x, proto, (m, k)), _at(h if h else y, proto, (m, k)))
     rows.rows_forward(_at(x, proto, (m, k)), _at(y, proto, (m, k)), _at(w, sproto, (k,)),
                       _at(b, sproto, (k,)), eps, center != 0, stats, (stream != 0, ahead),
-                      lo, hi)
+                      lo, hi, add)
 
 
 @njit(**JIT)
-def rows_backward(g, x, dx, w, mean, rstd, dw, db, scratch, m, k, center, ahead, chunks,
+def rows_backward(g, x, dx, w, mean, rstd, dw, db, scratch, gh, m, k, center, ahead, chunks,
                   stream, stage, lo, hi, eps, proto, sproto):
-    """g, x, dx (M, K); mean, rstd (M,). Stage 0 over the chunks [lo, hi) of rows: dx, and
-    each chunk's sums of g * xhat and g in scratch (2, chunks, K) of the statistics dtype;
-    stage 1: dw, db (K,) their sums over the chunks, in order."""
+    """g, x, dx (M, K); mean, rstd (M,). Stage 0 over the chunks [lo, hi) of rows: dx (plus
+    gh (M, K) where given), and each chunk's sums of g * xhat and g in scratch (2, chunks,
+    K) of the statistics dtype; stage 1: dw, db (K,) their sums over the chunks, in
+    order."""
     sums = _at(scratch, sproto, (2, chunks, k))
     if stage == 0:
         sums[:, lo:hi] = 0
         rows.rows_backward(_at(g, proto, (m, k)), _at(x, proto, (m, k)), _at(w, sproto, (k,)),
                            (_at(mean, sproto, (m,)), _at(rstd, sproto, (m,))), center != 0,
                            _at(dx, proto, (m, k)), (sums[0], sums[1]), (stream != 0, ahead),
-                           lo, hi)
+                           lo, hi, (gh != 0, _at(gh if gh else g, proto, (m, k))))
     else:
         dwa, dba = _at(dw, sproto, (k,)), _at(db, sproto, (k,))
         dwa[:] = sums[0, 0]

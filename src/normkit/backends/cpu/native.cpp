@@ -44,8 +44,8 @@ constexpr int64_t kMaxSlots = 64;
 // the slots the node fills, by name (args.SLOTS); -1 until set_slots
 struct Slots {
   int64_t x = -1, y = -1, w = -1, b = -1, mean = -1, rstd = -1, var = -1, g = -1, dx = -1,
-          dw = -1, db = -1, scratch = -1, from_var = -1, stream = -1, stage = -1, lo = -1,
-          hi = -1;
+          dw = -1, db = -1, scratch = -1, r = -1, h = -1, gh = -1, from_var = -1, stream = -1,
+          stage = -1, lo = -1, hi = -1;
   int64_t count = 0;
 } slot;
 
@@ -54,6 +54,7 @@ void set_slots(const std::map<std::string, int64_t>& table) {
       {"x", &slot.x}, {"y", &slot.y}, {"w", &slot.w}, {"b", &slot.b}, {"mean", &slot.mean},
       {"rstd", &slot.rstd}, {"var", &slot.var}, {"g", &slot.g}, {"dx", &slot.dx},
       {"dw", &slot.dw}, {"db", &slot.db}, {"scratch", &slot.scratch},
+      {"r", &slot.r}, {"h", &slot.h}, {"gh", &slot.gh},
       {"from_var", &slot.from_var}, {"stream", &slot.stream}, {"stage", &slot.stage},
       {"lo", &slot.lo}, {"hi", &slot.hi}};
   for (auto& [name, where] : mine) {
@@ -347,14 +348,28 @@ struct Running {
 
 Tensor optional(const c10::optional<Tensor>& t) { return t.has_value() ? *t : Tensor(); }
 
+// a residual add fused into the norm reads and writes memory of x's layout; only the rows
+// kernels (LayerNorm/RMSNorm) take one
+void check_added(const Plan& p, const Tensor& t) {
+  TORCH_CHECK(p.kind == "layer", "normkit native plan: a residual add is fused into "
+              "LayerNorm/RMSNorm plans only, this plan is for '", p.kind, "'");
+  check_input(p, t);
+}
+
 // (y, mean, rstd, var) of one forward call: the statistics undefined where not kept, or
 // used for the running update; with fixed statistics (fixed_mean and fixed: the rstd, or
-// the variance with from_var) the given mean and rstd (undefined with from_var)
+// the variance with from_var) the given mean and rstd (undefined with from_var). With a
+// residual, y normalizes h = x + residual, and h comes last.
 tensor_list run_forward(const Plan& p, const Tensor& x, const Tensor& w, const Tensor& b,
                         double eps, const Tensor& fixed_mean, const Tensor& fixed,
-                        bool from_var, bool keep_stats, Running running) {
+                        bool from_var, bool keep_stats, Running running,
+                        const Tensor& residual = Tensor()) {
   check_input(p, x);
-  Tensor y = p.empty_like(x);
+  Tensor y = p.empty_like(x), h;
+  if (residual.defined()) {
+    check_added(p, residual);
+    h = p.empty_like(x);
+  }
   Tensor wk = p.param(w, p.ones), bk = p.param(b, p.zeros);
   Tensor mean, rstd, var;
   bool given = fixed_mean.defined();
@@ -373,11 +388,18 @@ tensor_list run_forward(const Plan& p, const Tensor& x, const Tensor& w, const T
   a[slot.x] = address(x), a[slot.y] = address(y), a[slot.w] = address(wk);
   a[slot.b] = address(bk), a[slot.mean] = address(mean), a[slot.rstd] = address(rstd);
   a[slot.var] = address(var), a[slot.from_var] = from_var ? 1 : 0;
+  a[slot.r] = address(residual), a[slot.h] = address(h);
   a[slot.stream] = p.stream(y) ? 1 : 0;
   p.run_stages(p.forward_kernel, a, eps, p.forward_work);
-  if (given) return {y, fixed_mean, from_var ? Tensor() : fixed, Tensor()};
-  if (running.update(mean, var) || !keep_stats) return {y, Tensor(), Tensor(), Tensor()};
-  return {y, mean, rstd, var};
+  tensor_list out;
+  if (given)
+    out = {y, fixed_mean, from_var ? Tensor() : fixed, Tensor()};
+  else if (running.update(mean, var) || !keep_stats)
+    out = {y, Tensor(), Tensor(), Tensor()};
+  else
+    out = {y, mean, rstd, var};
+  if (h.defined()) out.push_back(h);
+  return out;
 }
 
 tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const Tensor& w,
@@ -385,11 +407,16 @@ tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const T
                         std::array<bool, 3> needs);
 
 // (dx, dweight, dbias) of one backward call, the parameter gradients (params,) of the
-// statistics dtype
+// statistics dtype; grad_h (residual-add norms): added to dx
 tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, const Tensor& w,
-                         const Tensor& mean, const Tensor& rstd) {
+                         const Tensor& mean, const Tensor& rstd,
+                         const Tensor& grad_h = Tensor()) {
   check_input(p, x);
-  Tensor g = like_input(grad.sizes() == x.sizes() ? grad : grad.reshape(x.sizes()), x);
+  Tensor g = like_input(grad.sizes() == x.sizes() ? grad : grad.reshape(x.sizes()), x), gh;
+  if (grad_h.defined()) {
+    gh = like_input(grad_h.sizes() == x.sizes() ? grad_h : grad_h.reshape(x.sizes()), x);
+    check_added(p, gh);
+  }
   Tensor dx = p.empty_like(x);
   auto options = x.options().dtype(p.sdtype());
   Tensor dw = at::empty({p.ones.numel()}, options), db = at::empty({p.ones.numel()}, options);
@@ -399,6 +426,7 @@ tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, con
   a[slot.g] = address(g), a[slot.x] = address(x), a[slot.dx] = address(dx);
   a[slot.w] = address(wk), a[slot.mean] = address(ms), a[slot.rstd] = address(rs);
   a[slot.dw] = address(dw), a[slot.db] = address(db), a[slot.stream] = p.stream(dx) ? 1 : 0;
+  a[slot.gh] = address(gh);
   p.run_stages(p.backward_kernel, a, 0.0, p.backward_work);
   return {dx, dw, db};
 }
@@ -507,7 +535,8 @@ Running running_of(const c10::optional<Tensor>& mean, const c10::optional<Tensor
 
 // The Plan's three calls, as Python sees them (normkit.backends.plan's protocol):
 // forward  no gradient recorded: (y, mean, rstd, var) (see run_forward)
-// backward (dx, dweight, dbias), None where `needs` says so
+// backward (dx, dweight, dbias), None where `needs` says so; grad_h: added to dx (the
+//          gradient of h after add_forward)
 // apply    recorded for autograd: (y, mean, rstd, var), the statistics None where not
 //          kept, fixed, or used for the running update
 // Fixed statistics: mean with rstd, or mean with var (rstd None: computed from it).
@@ -529,12 +558,23 @@ std::vector<c10::optional<Tensor>> backward(const Plan& plan, const Tensor& grad
                                             const Tensor& x, const Tensor& mean,
                                             const Tensor& rstd,
                                             const c10::optional<Tensor>& w,
-                                            std::array<bool, 3> needs) {
-  auto out = run_backward(plan, grad, x, optional(w), mean, rstd);
+                                            std::array<bool, 3> needs,
+                                            const c10::optional<Tensor>& grad_h) {
+  auto out = run_backward(plan, grad, x, optional(w), mean, rstd, optional(grad_h));
   std::vector<c10::optional<Tensor>> result(3);
   for (int i = 0; i < 3; ++i)
     if (needs[i]) result[i] = out[i];
   return result;
+}
+
+// add_forward (LayerNorm/RMSNorm plans): (y, h, mean, rstd), h = x + residual and y its
+// norm, in one pass; no gradient recorded (autograd.AddNormFunction records it)
+tensor_list add_forward(const Plan& plan, const Tensor& x, const Tensor& residual,
+                        const c10::optional<Tensor>& w, const c10::optional<Tensor>& b,
+                        double eps) {
+  auto out = run_forward(plan, x, optional(w), optional(b), eps, Tensor(), Tensor(), false, true,
+                         Running(), residual);
+  return {out[0], out[4], out[1], out[2]};
 }
 
 tensor_list apply(Plan& plan, const Tensor& x, const c10::optional<Tensor>& w,
@@ -595,7 +635,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("running_mean") = py::none(), py::arg("running_var") = py::none(),
            py::arg("momentum") = 0.0, py::arg("unbias") = 1.0)
       .def("backward", &backward, py::arg("grad"), py::arg("x"), py::arg("mean"),
-           py::arg("rstd"), py::arg("weight"), py::arg("needs"))
+           py::arg("rstd"), py::arg("weight"), py::arg("needs"),
+           py::arg("grad_h") = py::none())
+      .def("add_forward", &add_forward, py::arg("x"), py::arg("residual"), py::arg("weight"),
+           py::arg("bias"), py::arg("eps"))
       .def("apply", &apply, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"),
            py::arg("mean") = py::none(), py::arg("rstd") = py::none(),
            py::arg("keep_stats") = true, py::arg("var") = py::none(),

@@ -17,6 +17,12 @@ dweight/dbias (summed by the caller), so no two iterations write the same memory
 While writing row r's output, the float32/float64 kernels prefetch row r + ahead
 (``tuning.rows_ahead``), spread over the output pass (``stores``).
 
+The residual-add norms (``add_layer_norm``, ``add_rms_norm``) normalize ``h = x + r``
+in the same pass: the row of h is written (rounded to the storage dtype, as ``x + r``
+is) and then normalized from L1, so x and r are read once and h is not read back from
+memory; their backward adds the gradient of h (``gh``, through the output h) to each
+row of dx while it is in L1.
+
 Arguments are grouped: ``stats = (mean, rstd, var)`` (M,) arrays of the statistics dtype
 (float32; float64 for float64 input), ``out = (stream, ahead)``: stream the output
 (``tuning.stream_bytes``), rows ahead to prefetch (0: none).
@@ -30,7 +36,8 @@ from numba import njit
 
 from normkit.backends.cpu.half import accumulate, like, load
 from normkit.backends.cpu.moments import two_pass
-from normkit.backends.cpu.stores import fence, store_affine_per_element, store_dx_rows_planes
+from normkit.backends.cpu.stores import (fence, store_add, store_affine_per_element,
+                                         store_dx_rows_planes)
 
 # inline="always": each kernel, and each helper with a re-associable reduction
 # (``half.accumulate``), is inlined into its caller in numba's IR, so that every entry is
@@ -44,9 +51,11 @@ __all__ = ["rows_backward", "rows_forward"]
 
 
 @njit(**JIT)
-def rows_forward(x, y, w, b, eps, center, stats, out, lo, hi):
+def rows_forward(x, y, w, b, eps, center, stats, out, lo, hi, add):
     """y = (x - mean) * rstd * w + b for the rows [lo, hi) of x, y: (M, K) storage;
-    w, b: (K,) statistics dtype; stats = (mean, rstd, var) written."""
+    w, b: (K,) statistics dtype; stats = (mean, rstd, var) written. ``add = (on, res,
+    h)``, res and h (M, K): where ``on``, h = x + res is written first and normalized in
+    place of x."""
     mean, rstd, var = stats
     stream, ahead = out
     m, k = x.shape
@@ -54,6 +63,11 @@ def rows_forward(x, y, w, b, eps, center, stats, out, lo, hi):
     for r in range(lo, hi):
         xr = x[r]                                                  # K
         ahead_row = x[r + ahead] if ahead and r + ahead < hi else xr[:0]
+        on, res, h = add
+        if on:                                                     # h = x + res, kept in L1
+            ahead_res = res[r + ahead] if ahead and r + ahead < hi else xr[:0]
+            store_add(h[r], (xr, res[r]), (), (ahead_row, ahead_res), False)
+            xr, ahead_row = h[r], xr[:0]
         x0 = load(xr, 0) if center else like(mean, 0.0)            # the row's shift
         mean_x0, q = two_pass(xr, x0, inv_k, mean, center)         # mean - x0, M2
         v = q * inv_k
@@ -68,13 +82,16 @@ def rows_forward(x, y, w, b, eps, center, stats, out, lo, hi):
 
 
 @njit(**JIT)
-def rows_backward(g, x, w, stats, center, dx, partials, out, lo, hi):
+def rows_backward(g, x, w, stats, center, dx, partials, out, lo, hi, plus):
     """dx of the row chunks [lo, hi) (chunk t: rows [t*len, (t+1)*len), len =
     ceil(M / chunks)); g, x, dx: (M, K); stats = (mean, rstd); partials = (dw, db):
-    (chunks, K), zero on entry, chunk t's sums of g*xhat and g."""
+    (chunks, K), zero on entry, chunk t's sums of g*xhat and g. ``plus = (on, gh)``, gh
+    (M, K): where ``on``, gh is added to dx (the gradient of h in the residual-add
+    norms)."""
     mean, rstd = stats
     dwp, dbp = partials
     stream, ahead = out
+    on, gh = plus
     m, k = x.shape
     chunks = dwp.shape[0]
     chunk = (m + chunks - 1) // chunks
@@ -103,6 +120,8 @@ def rows_backward(g, x, w, stats, center, dx, partials, out, lo, hi):
             c_var *= inv_k
             c_mean = c_mean * inv_k if center else like(mean, 0.0)
             store_dx_rows_planes(dx[r], (gr, xr, w), (mu, rs, c_var, c_mean), ahead_rows,
-                                 stream)                           # x, g from L1/L2
+                                 stream and not on)                # x, g from L1/L2
+            if on:                                                 # dx rounded, then + gh
+                store_add(dx[r], (dx[r], gh[r]), (), (gr[:0], xr[:0]), stream)
     if stream:
         fence()

@@ -2,7 +2,7 @@
 
 An output of the kernels is ``dst[i] = formula(a_1[i], .., a_n[i], s_1, .., s_m)`` over a
 contiguous span, for arrays ``a`` and scalars ``s``. Each formula is a plain Python
-function of numbers (the five below). ``span_store(formula)`` makes from it the one
+function of numbers (the six below). ``span_store(formula)`` makes from it the one
 driver the rows and NCHW planes kernels call, ``store(dst, arrays, scalars, prefetch,
 stream)``, in place of a plain loop, a streamed twin and a prefetching walk per formula:
 
@@ -39,11 +39,19 @@ from numba.extending import intrinsic, overload, register_jitable
 from normkit.backends.cpu.half import is_half, load, store
 from normkit.backends.cpu.tuning import PREFETCH_PIECE
 
-__all__ = ["affine_per_channel", "affine_per_element", "affine_scalar", "dx_per_channel",
-           "dx_rows_planes", "fence", "prefetch", "rows_store", "span_store"]
+__all__ = ["add", "affine_per_channel", "affine_per_element", "affine_scalar",
+           "dx_per_channel", "dx_rows_planes", "fence", "prefetch", "rows_store",
+           "span_store"]
 
 
 # ---- the output formulas ----------------------------------------------------------------
+
+def add(x, r):
+    """The residual add of ``add_layer_norm`` / ``add_rms_norm``: ``h = x + r``, and in
+    their backward ``dh = dh + gh`` (the norm's gradient, rounded, plus h's own, as
+    ``x + r`` rounds: the bits of the add followed by the norm)."""
+    return x + r
+
 
 def affine_per_element(x, w, b, x0, mean_x0, rstd):
     """Rows forward: ``y = ((x - x0) - (mean - x0)) * (rstd * w) + b`` (x0 the row's
@@ -253,6 +261,7 @@ def _apply(formula):
     inline keeps LLVM from vectorizing the loop (and numba inlines no ``*args`` call)."""
     f = register_jitable(inline="always")(formula)
     calls = {
+        2: lambda t: f(t[0], t[1]),
         4: lambda t: f(t[0], t[1], t[2], t[3]),
         5: lambda t: f(t[0], t[1], t[2], t[3], t[4]),
         6: lambda t: f(t[0], t[1], t[2], t[3], t[4], t[5]),
@@ -359,6 +368,7 @@ def rows_store(formula):
     return driver
 
 
+store_add = span_store(add)
 store_affine_per_element = span_store(affine_per_element)
 store_affine_scalar = span_store(affine_scalar)
 store_dx_rows_planes = span_store(dx_rows_planes)
