@@ -533,7 +533,8 @@ Running running_of(const c10::optional<Tensor>& mean, const c10::optional<Tensor
   return r;
 }
 
-// The Plan's three calls, as Python sees them (normkit.backends.plan's protocol):
+// The Plan's calls, as Python sees them (normkit.backends.plan's protocol; add_forward
+// above):
 // forward  no gradient recorded: (y, mean, rstd, var) (see run_forward)
 // backward (dx, dweight, dbias), None where `needs` says so; grad_h: added to dx (the
 //          gradient of h after add_forward)
