@@ -5,7 +5,9 @@ run interleaved in one loop -- normkit, torch native, and ``dst.copy_(x)`` into 
 preallocated tensor of the same size (the floor of any forward pass: read x once, write
 once) -- and the median of each is reported, with the ratios normkit/torch and
 normkit/copy and normkit's effective bandwidth (bytes that must move: forward reads x and
-writes y; forward+backward also reads x and dy and writes dx).
+writes y; forward+backward also reads x and dy and writes dx). The residual-add norms
+(``add_layer_norm``, ``add_rms_norm``) against torch's add followed by its norm: forward
+reads x and the residual and writes h and y; backward reads h, dy and dh, writes dx.
 
 The allocator matters as much as the kernel on large shapes: glibc serves allocations
 above its mmap threshold (at most 32 MiB) with fresh pages from the kernel, so an op that
@@ -28,7 +30,9 @@ import sys
 import tempfile
 import time
 
-OPS = ("layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm")
+OPS = ("layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm", "add_layer_norm",
+       "add_rms_norm")
+_ROWS = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
 DTYPES = ("float32", "bfloat16")
 MODES = ("fwd", "fwd+bwd")
 
@@ -39,6 +43,8 @@ SHAPES = {
     "group_norm": [(32, 256, 56, 56)],
     "batch_norm": [(32, 256, 56, 56)],
     "instance_norm": [(32, 256, 56, 56)],
+    "add_layer_norm": [(8192, 768)],
+    "add_rms_norm": [(8192, 768)],
 }
 QUICK_SHAPES = {
     "layer_norm": [(64, 256)],
@@ -46,6 +52,8 @@ QUICK_SHAPES = {
     "group_norm": [(2, 64, 8, 8)],
     "batch_norm": [(2, 64, 8, 8)],
     "instance_norm": [(2, 64, 8, 8)],
+    "add_layer_norm": [(64, 256)],
+    "add_rms_norm": [(64, 256)],
 }
 ALLOCATORS = {
     "default": ({}, "glibc default: outputs over the mmap threshold (<= 32 MiB) are fresh "
@@ -63,8 +71,7 @@ ALLOCATORS = {
 
 
 def _layouts(op):
-    return ("contiguous",) if op in ("layer_norm", "rms_norm") else ("contiguous",
-                                                                     "channels_last")
+    return ("contiguous",) if op in _ROWS else ("contiguous", "channels_last")
 
 
 def cases(ops=OPS, dtypes=DTYPES, modes=MODES, quick=False):
@@ -73,6 +80,12 @@ def cases(ops=OPS, dtypes=DTYPES, modes=MODES, quick=False):
     return [dict(op=op, shape=list(shape), dtype=dt, layout=lay, mode=mode)
             for op in ops for shape in table[op] for lay in _layouts(op)
             for dt in dtypes for mode in modes]
+
+
+def _added(norm, x, r):
+    """``(norm(h), h)`` with ``h = x + r``: torch's side of the residual-add norms."""
+    h = x + r
+    return norm(h), h
 
 
 def _make(case):
@@ -89,20 +102,27 @@ def _make(case):
     x = torch.randn(shape, generator=gen).to(dtype)
     if case["layout"] == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
-    c = shape[-1] if op in ("layer_norm", "rms_norm") else shape[1]
+    c = shape[-1] if op in _ROWS else shape[1]
+    r = torch.randn(shape, generator=gen).to(dtype)               # the residual of add_*
     w = torch.randn(c, generator=gen).to(dtype)
     b = torch.randn(c, generator=gen).to(dtype)
     rm, rv = torch.zeros(c, dtype=dtype), torch.ones(c, dtype=dtype)
 
-    def ops(lib):
-        if op == "layer_norm":
+    def ops(lib, name=op):
+        if name == "layer_norm":
             return lambda x: lib.layer_norm(x, (c,), w, b)
-        if op == "rms_norm":
+        if name == "rms_norm":
             return lambda x: lib.rms_norm(x, (c,), w)
-        if op == "group_norm":
+        if name == "group_norm":
             return lambda x: lib.group_norm(x, 32, w, b)
-        if op == "batch_norm":
+        if name == "batch_norm":
             return lambda x: lib.batch_norm(x, rm, rv, w, b, training=True)
+        if name.startswith("add_") and lib is NF:   # (y, h), h = x + r
+            fused, extra = getattr(NF, name), ((b,) if name == "add_layer_norm" else ())
+            return lambda x: fused(x, r, (c,), w, *extra)
+        if name.startswith("add_"):                 # torch: the add, then the norm
+            norm = ops(F, name[4:])
+            return lambda x: _added(norm, x, r)
         return lambda x: lib.instance_norm(x, weight=w, bias=b)
 
     dst = torch.empty_like(x)
@@ -111,9 +131,10 @@ def _make(case):
         dst.copy_(x)
 
     nbytes = x.numel() * x.element_size()
+    added = 2 if op.startswith("add_") else 1      # read x and r, write y and h
     if mode == "fwd":
         nk, tn = ops(NF), ops(F)
-        return (lambda: nk(x)), (lambda: tn(x)), copy, 2 * nbytes
+        return (lambda: nk(x)), (lambda: tn(x)), copy, 2 * added * nbytes
 
     xg = x.detach().clone().requires_grad_(True)
     w.requires_grad_(True)
@@ -125,10 +146,15 @@ def _make(case):
     def full(fn):
         def run():
             xg.grad = w.grad = b.grad = None
-            fn(xg).backward(dy)
+            out = fn(xg)
+            if isinstance(out, tuple):                             # (y, h): dy and dh
+                torch.autograd.backward(out, (dy, dy))
+            else:
+                out.backward(dy)
         return run
 
-    return full(ops(NF)), full(ops(F)), copy, 5 * nbytes
+    # forward, then: read x (h), dy (and dh), write dx
+    return full(ops(NF)), full(ops(F)), copy, (5 if added == 1 else 8) * nbytes
 
 
 def measure(case, repeats=7, warmup=2):
@@ -213,7 +239,7 @@ def format_table(report):
     """Plain-text tables, one per allocator setting."""
     lines = [f"threads: {report['threads']}; copy baseline: {report['copy']}; "
              f"{report['statistic']}"]
-    head = (f"{'op':<14}{'shape':<20}{'dtype':<10}{'layout':<15}{'mode':<9}"
+    head = (f"{'op':<16}{'shape':<20}{'dtype':<10}{'layout':<15}{'mode':<9}"
             f"{'normkit ms':>11}{'torch ms':>10}{'copy ms':>9}{'nk/torch':>9}"
             f"{'nk/copy':>8}{'torch/copy':>11}{'GB/s':>7}")
     for name, block in report["allocators"].items():
@@ -223,7 +249,7 @@ def format_table(report):
                       f"{env['threads']} threads)", head, "-" * len(head)]
         for r in block["results"]:
             lines.append(
-                f"{r['op']:<14}{'x'.join(map(str, r['shape'])):<20}{r['dtype']:<10}"
+                f"{r['op']:<16}{'x'.join(map(str, r['shape'])):<20}{r['dtype']:<10}"
                 f"{r['layout']:<15}{r['mode']:<9}{r['normkit_s'] * 1e3:>11.2f}"
                 f"{r['torch_s'] * 1e3:>10.2f}{r['copy_s'] * 1e3:>9.2f}"
                 f"{r['normkit_over_torch']:>9.2f}{r['normkit_over_copy']:>8.2f}"
