@@ -132,6 +132,14 @@ def test_cpu_add_norm_is_one_pass_with_the_bits_of_add_then_norm(op, shape, dtyp
         assert torch.equal(got, want)
 
 
+def test_cpu_add_norm_takes_a_residual_of_other_strides():
+    x = torch.randn(6, 40)
+    r = torch.randn(40, 6).t()                                     # a transposed residual
+    y, h = NF.add_layer_norm(x, r, (40,))
+    assert torch.equal(h, x + r)
+    assert torch.equal(y, NF.layer_norm(x + r, (40,)))
+
+
 def test_cpu_add_norm_plans_are_layer_plans_only():
     from normkit import grouping as G
 

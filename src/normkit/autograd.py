@@ -171,13 +171,12 @@ class NormFunction(torch.autograd.Function):
 
 class AddNormFunction(torch.autograd.Function):
     """``(y, h)`` with ``h = x + residual`` and ``y = w * (h - mean) * rstd + b`` over the
-    rows of (M, K) views (``center=False``: RMSNorm, mean = 0)."""
+    rows of (M, K) views (``center=False``: RMSNorm, mean = 0); ``route = (grouping,
+    backend, plan)`` of those rows (``normkit.ops.add_norm``)."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, center, memory_saving):
-        grouping = G.layer(tuple(x.shape), 1)
-        backend = backends.select(x, grouping, center)
-        plan = backends.plan(x, grouping, center)
+    def forward(ctx, x, residual, weight, bias, eps, center, memory_saving, route):
+        grouping, backend, plan = route
         fused = hasattr(backend, "fused_add_forward")
         if fused:
             y, h, mean, rstd = backend.fused_add_forward(x, residual, weight, bias, eps,
@@ -230,6 +229,6 @@ class AddNormFunction(torch.autograd.Function):
             dh = dh + grad_h                                       # the direct path of h
         dw = None if dw is None or weight is None else dw.reshape(weight.shape).to(weight.dtype)
         db = None if db is None or bias is None else db.reshape(bias.shape).to(bias.dtype)
-        return (dh if nx else None), (dh if nr else None), dw, db, None, None, None
+        return (dh if nx else None), (dh if nr else None), dw, db, None, None, None, None
 
 

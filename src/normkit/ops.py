@@ -376,13 +376,6 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
     return y, mean, var
 
 
-def _add_fused(xv, grouping, center):
-    """Whether the add and the norm of ``xv`` run in one pass each way: the plan's
-    ``add_forward`` (the CPU executor) or the backend's ``fused_add_forward`` (GPU)."""
-    return (hasattr(backends.select(xv, grouping, center), "fused_add_forward")
-            or hasattr(backends.plan(xv, grouping, center), "add_forward"))
-
-
 def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_saving):
     """``(norm(x + residual), x + residual)`` over the last ``normalized_ndim`` dims
     (arguments already validated by ``normkit.functional.add_layer_norm`` /
@@ -390,18 +383,24 @@ def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_sav
     grouping = G.layer(tuple(x.shape), normalized_ndim)
     if memory_saving is None:
         memory_saving = backends.memory_saving_enabled()
-    xv = x.reshape(grouping.view)                                  # M, K
-    rv = residual.reshape(grouping.view)
-    if tracing() or (not memory_saving and not _add_fused(xv, grouping, center)):
-        # traced (compile, export, ONNX): the registered norm after a plain add
-        h = x + residual
-        return apply_norm(h, grouping, weight, bias, eps, center)[0], h
-    w = None if weight is None else weight.reshape(-1)
-    b = None if bias is None else bias.reshape(-1)
-    y, h = AddNormFunction.apply(xv, rv, w, b, eps, center, bool(memory_saving))
-    if y.shape != x.shape:
-        y, h = y.view(x.shape), h.view(x.shape)
-    return y, h
+    if not tracing():
+        xv = x.reshape(grouping.view)                              # M, K
+        rows = G.layer(tuple(xv.shape), 1)
+        backend, plan = backends.select(xv, rows, center), backends.plan(xv, rows, center)
+        # one pass each way: the plan's add_forward (the CPU executor) or the backend's
+        # fused_add_forward (GPU); the memory-saving backward on any
+        if memory_saving or hasattr(backend, "fused_add_forward") or hasattr(plan,
+                                                                            "add_forward"):
+            w = None if weight is None else weight.reshape(-1)
+            b = None if bias is None else bias.reshape(-1)
+            y, h = AddNormFunction.apply(xv, residual.reshape(grouping.view), w, b, eps,
+                                         center, bool(memory_saving), (rows, backend, plan))
+            if y.shape != x.shape:
+                y, h = y.view(x.shape), h.view(x.shape)
+            return y, h
+    # traced (compile, export, ONNX), or no one-pass route: the add, then the norm
+    h = x + residual
+    return apply_norm(h, grouping, weight, bias, eps, center)[0], h
 
 
 # ---------------------------------------------------------------------------- public operators

@@ -574,7 +574,7 @@ tensor_list add_forward(const Plan& plan, const Tensor& x, const Tensor& residua
                         const c10::optional<Tensor>& w, const c10::optional<Tensor>& b,
                         double eps) {
   auto out = run_forward(plan, x, optional(w), optional(b), eps, Tensor(), Tensor(), false, true,
-                         Running(), residual);
+                         Running(), like_input(residual, x));
   return {out[0], out[4], out[1], out[2]};
 }
 
