@@ -37,8 +37,9 @@ def parts(n, s, threads):
 
 
 #: BatchNorm on rows of channels: at least this many ranges of positions (smaller than a
-#: block of lane sums if need be), so that the last stage spreads evenly over the threads
-BATCH_PARTS_MIN = 16
+#: block of lane sums if need be), so that the last stage spreads over the threads (each
+#: range costs a Chan merge per channel, on one thread: more of them slowed small calls)
+BATCH_PARTS_MIN = 4
 
 
 def batch_parts(m, rows):
