@@ -122,19 +122,22 @@ def test_batch_norm_small_planes(shape, training):
     assert_close(ours.running_var, theirs.running_var, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16,
+                                   torch.float16], ids=str)
 def test_running_statistics_eager_equals_traced_update(dtype):
-    # the CPU kernel's update (eager) and the torch ops (traced graphs, other devices)
-    # round the same way: the same bits
-    from normkit.backends import torch_ops
+    # the executor's update (eager, in C++) and the torch ops (traced graphs, other
+    # devices) round the same way: the same bits; half-precision buffers take the batch
+    # statistics in float32, as the kernels give them
+    from normkit.backends import cpu, torch_ops
 
     torch.manual_seed(0)
+    sdtype = torch.float64 if dtype == torch.float64 else torch.float32
     buffers = [torch.randn(24).to(dtype), (torch.rand(24) + 0.5).to(dtype)]
-    values = [torch.randn(1, 24, 1).to(dtype), torch.rand(1, 24, 1).to(dtype)]
+    values = [torch.randn(1, 24, 1).to(sdtype), torch.rand(1, 24, 1).to(sdtype)]
     eager = [b.clone() for b in buffers]
     traced = [b.clone() for b in buffers]
     for _ in range(3):
-        backends.update_running(*eager, *values, 0.1, 32 / 31)
+        assert cpu.update_running(*eager, values[0].view(24), values[1].view(24), 0.1, 32 / 31)
         torch_ops.update_running(*traced, *values, 0.1, 32 / 31)
     assert torch.equal(eager[0], traced[0]) and torch.equal(eager[1], traced[1])
     tol = TOL[dtype]

@@ -25,6 +25,7 @@
 // other on this thread.
 #include <torch/extension.h>
 
+#include <ATen/OpMathType.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <pthread.h>
 
@@ -295,39 +296,54 @@ Tensor like_input(const Tensor& grad, const Tensor& x) {
 }
 
 // BatchNorm's running statistics in place (the same operations in the same order as
-// normkit.backends.torch_ops.update_running, in the buffers' dtype):
+// normkit.backends.torch_ops.update_running: each in the buffers' dtype T, computed in its
+// opmath type O as torch's ops compute it -- float for bfloat16 and float16 -- and rounded;
+// the statistics S (float, or double for double buffers) unbiased in their own dtype):
 //   running_mean = running_mean * (1 - momentum) + momentum * mean
 //   running_var  = running_var * (1 - momentum) + momentum * (var * unbias)
-template <typename T>
-void update_running_loop(T* running_mean, T* running_var, const T* mean, const T* var,
+template <typename T, typename S>
+void update_running_loop(T* running_mean, T* running_var, const S* mean, const S* var,
                          int64_t c, double momentum, double unbias) {
-  const T keep = static_cast<T>(1.0 - momentum), m = static_cast<T>(momentum);
-  const T u = static_cast<T>(unbias);
+  using O = at::opmath_type<T>;
+  // (torch's in-place multiply by a number rounds the number to T first; the out-of-place
+  // one takes it in O)
+  const O keep = static_cast<O>(static_cast<T>(1.0 - momentum)), m = static_cast<O>(momentum);
+  const S u = static_cast<S>(unbias);
+  auto step = [&](T& running, S value) {
+    T kept = static_cast<T>(static_cast<O>(running) * keep);
+    T added = static_cast<T>(m * static_cast<O>(static_cast<T>(value)));
+    running = static_cast<T>(static_cast<O>(kept) + static_cast<O>(added));
+  };
   for (int64_t i = 0; i < c; ++i) {
-    T unbiased = var[i] * u;
-    running_mean[i] *= keep;
-    running_mean[i] += m * mean[i];
-    running_var[i] *= keep;
-    running_var[i] += m * unbiased;
+    step(running_mean[i], mean[i]);
+    step(running_var[i], var[i] * u);
   }
 }
 
 // false: not handled here (another dtype, device or layout; the caller's path runs)
 bool update_running(Tensor& running_mean, Tensor& running_var, const Tensor& mean,
                     const Tensor& var, double momentum, double unbias) {
-  auto dtype = running_mean.scalar_type();
+  auto dtype = running_mean.scalar_type(), sdtype = mean.scalar_type();
   int64_t c = running_mean.numel();
   for (const Tensor* t : std::initializer_list<const Tensor*>{&running_mean, &running_var,
                                                                 &mean, &var})
-    if (t->scalar_type() != dtype || !t->device().is_cpu() || !t->is_contiguous() ||
-        t->numel() != c)
-      return false;
-  if (dtype == at::kFloat)
-    update_running_loop(running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
-                        mean.data_ptr<float>(), var.data_ptr<float>(), c, momentum, unbias);
-  else if (dtype == at::kDouble)
+    if (!t->device().is_cpu() || !t->is_contiguous() || t->numel() != c) return false;
+  if (running_var.scalar_type() != dtype || var.scalar_type() != sdtype) return false;
+  if (dtype == at::kDouble && sdtype == at::kDouble)
     update_running_loop(running_mean.data_ptr<double>(), running_var.data_ptr<double>(),
                         mean.data_ptr<double>(), var.data_ptr<double>(), c, momentum, unbias);
+  else if (sdtype != at::kFloat)
+    return false;
+  else if (dtype == at::kFloat)
+    update_running_loop(running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
+                        mean.data_ptr<float>(), var.data_ptr<float>(), c, momentum, unbias);
+  else if (dtype == at::kBFloat16)
+    update_running_loop(running_mean.data_ptr<at::BFloat16>(),
+                        running_var.data_ptr<at::BFloat16>(), mean.data_ptr<float>(),
+                        var.data_ptr<float>(), c, momentum, unbias);
+  else if (dtype == at::kHalf)
+    update_running_loop(running_mean.data_ptr<at::Half>(), running_var.data_ptr<at::Half>(),
+                        mean.data_ptr<float>(), var.data_ptr<float>(), c, momentum, unbias);
   else
     return false;
   running_mean.unsafeGetTensorImpl()->bump_version();
