@@ -33,8 +33,8 @@ def test_layout_names_the_kernel_family():
     xc = x.to(memory_format=torch.channels_last)
     assert cpu.layout(xc.view(4, 8, 25), G.instance(x.shape)) == "channels_last"
     # BatchNorm on rows of channels: channels_last, and (N, C) (one position per channel)
-    assert cpu.layout(xc.view(4, 8, 25), G.batch(x.shape)) == "columns"
-    assert cpu.layout(torch.randn(7, 6).view(7, 6, 1), G.batch((7, 6))) == "columns"
+    assert cpu.layout(xc.view(4, 8, 25), G.batch(x.shape)) == "channels_last"
+    assert cpu.layout(torch.randn(7, 6).view(7, 6, 1), G.batch((7, 6))) == "channels_last"
     rows_apart = torch.randn(6, 20)[:, :10]                        # (M, K), rows not adjacent
     assert cpu.layout(rows_apart, G.layer(rows_apart.shape, 1)) is None
 

@@ -83,8 +83,8 @@ def test_batch_norm_expanded_grad_and_no_affine():
 @pytest.mark.parametrize("node", [True, False], ids=["node", "python"])
 def test_batch_norm_rows_of_channels_same_bits_on_any_threads(shape, node, dtype,
                                                               monkeypatch):
-    # BatchNorm on rows of channels (``columns``): 315 rows in chunks of 16 (the last one
-    # 11 rows), each chunk's moments and gradient sums merged in order on one thread, so
+    # BatchNorm on rows of channels (one sample of every position): 315 rows in ranges of 16
+    # (the last one 11 rows), each range's moments and gradient sums merged in order, so
     # one thread and three give the same bits; the C++ node and the Python plan alike
     from normkit.backends.cpu import native
 

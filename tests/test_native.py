@@ -93,7 +93,7 @@ def test_executor_matches_the_composite_path_and_the_reference(op, shape, dtype)
                                       ("instance", (4, 6, 3, 5)), ("group", (3, 6, 4, 2, 3))],
                          ids=str)
 def test_node_on_channels_last(op, shape, dtype):
-    # channels_last inputs take the node too (BatchNorm: the columns family, also an
+    # channels_last inputs take the node too (BatchNorm: the channels_last family, also an
     # (N, C, 1); Instance/GroupNorm: the channels_last family in stages); the gradient
     # comes in either layout
     c = shape[1]
@@ -218,7 +218,7 @@ def test_double_backward(name):
            "batch": lambda x, w: NF.batch_norm(x, None, None, w, None, True),
            "batch-eval": lambda x, w: NF.batch_norm(x, rm, rv, w, None, False),
            "group": lambda x, w: NF.group_norm(x, 2, w),
-           # rows of channels (the columns family): (N, L, C) memory seen as (N, C, L)
+           # rows of channels (the channels_last family): (N, L, C) memory seen as (N, C, L)
            "batch-rows": lambda x, w: NF.batch_norm(x.transpose(1, 2).contiguous()
                                                     .transpose(1, 2), None, None, w, None,
                                                     True),
@@ -438,7 +438,7 @@ def test_training_layer_keeps_its_node_and_matches_torch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_layer_keeps_its_node_on_channels_last(dtype):
-    # channels_last (the columns family), in training and eval, a node per layout: the
+    # channels_last (the channels_last family), in training and eval, a node per layout: the
     # same shape in NCHW next takes a node of its own
     ours, theirs, x = _eval_bn(dtype=dtype)
     xc = x.contiguous(memory_format=torch.channels_last)

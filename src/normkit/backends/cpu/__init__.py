@@ -22,8 +22,8 @@ kernel family runs them; the modules below do the rest:
                    merge (``normkit.stats_numba``, shared with the scalers)
 ``rows``           LayerNorm/RMSNorm, contiguous (M, K)
 ``planes``         Batch/Instance/GroupNorm on contiguous NCHW
-``columns``        BatchNorm on rows of channels: channels_last, and (N, C)
-``channels_last``  Instance/GroupNorm on channels_last (the per-(n, c) family)
+``channels_last``  Batch/Instance/GroupNorm on rows of channels: channels_last, and
+                   BatchNorm1d's (N, C) (the per-(n, c) family)
 
 Memory is shared with torch, never copied: a kernel sees a tensor's storage by its
 address; 16-bit floats as integers (``half``). Statistics are float32 (float64 for
@@ -55,8 +55,8 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 def layout(xv, grouping):
     """The kernel family for the view ``xv``: ``"rows"`` (contiguous (M, K)), ``"planes"``
-    (contiguous NCHW planes), ``"columns"`` (BatchNorm on rows of channels: channels_last,
-    or (N, C)), ``"channels_last"`` (Instance/GroupNorm), or None (not handled here)."""
+    (contiguous NCHW planes), ``"channels_last"`` (rows of channels: channels_last, or
+    BatchNorm1d's (N, C)), or None (not handled here)."""
     if grouping.kind == "layer":
         return "rows" if xv.is_contiguous() else None
     v = grouping.view
@@ -64,7 +64,7 @@ def layout(xv, grouping):
     if x3.is_contiguous() and x3.shape[2] > 1:
         return "planes"
     if x3.transpose(1, 2).is_contiguous():
-        return "columns" if grouping.kind == "batch" else "channels_last"
+        return "channels_last"
     return None
 
 

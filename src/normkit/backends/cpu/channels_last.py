@@ -1,9 +1,10 @@
-"""Batch/Instance/GroupNorm on channels_last, viewed (N, S*C): rows of C channels.
+"""Batch/Instance/GroupNorm on rows of channels, viewed (N, S*C): rows of C channels.
 
-The per-(n, c) family (the GPU backend's ``_nc_*`` kernels are the same family over any
-strides): a statistic belongs to unit ``u = n * sn + c // cg`` ((sn, cg) = (0, 1) for
-BatchNorm, (C, 1) for InstanceNorm, (G, C/G) for GroupNorm), and every pass works on
-per-(n, c) quantities:
+That is channels_last memory, and BatchNorm1d's (N, C). The per-(n, c) family (the GPU
+backend's ``_nc_*`` kernels are the same family over any strides): a statistic belongs
+to unit ``u = n * sn + c // cg`` ((sn, cg) = (C, 1) for InstanceNorm, (G, C/G) for
+GroupNorm; BatchNorm is one sample, N = 1, of every position, with (C, 1)), and every
+pass works on per-(n, c) quantities:
 
 1. ``nc_moments`` / ``nc_grad_sums``: per-(n, c) partial moments (``moments.
    cl_range_moments``) or gradient sums over ranges of the S positions, in parallel;

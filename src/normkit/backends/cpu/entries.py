@@ -30,14 +30,14 @@ from numba import njit
 from numba.extending import register_jitable
 
 from normkit.backends.cpu import channels_last as cl
-from normkit.backends.cpu import columns, planes, rows
+from normkit.backends.cpu import planes, rows
 from normkit.backends.cpu.address import at as _at
 from normkit.backends.cpu.rows import JIT
 
 __all__ = ["rows_forward", "rows_backward", "channels_small", "channels_small_backward",
            "planes_small", "planes_small_backward", "channels_forward", "channels_backward",
-           "channels_fixed", "planes_forward", "planes_backward", "columns_forward",
-           "columns_backward", "cl_forward", "cl_backward"]
+           "channels_fixed", "planes_forward", "planes_backward", "cl_forward",
+           "cl_backward"]
 
 _F64 = np.empty(0, np.float64)
 
@@ -232,54 +232,10 @@ def planes_backward(g, x, dx, w, mean, rstd, dw, db, scratch, n, c, s, groups, c
                            (stream != 0, ahead), lo, hi)
 
 
-# ---- columns: BatchNorm on an (M, C) matrix of rows of channels (``columns``) -------------
-# x flat (M * C), in chunks of ``rows`` rows (runs of ``run``); scratch (2, chunks, C)
-# float64. Forward: stage 0 over the chunks (moments), 1 (merged: mean, rstd, var (C,)
-# written), 2 over the rows (y); with fixed statistics stage 2 alone. Backward: stage 0
-# (sums of g and g * xhat), 1 (dw, db (C,) written), 2 over the rows (dx).
-
-@register_jitable
-def _columns_sums(scratch, m, c, rows_):
-    sums = _at(scratch, _F64, (2, -(-m // rows_), c))
-    return sums[0], sums[1]
-
-
-@njit(**JIT)
-def columns_forward(x, y, w, b, mean, rstd, var, scratch, m, c, rows, run, from_var, stream,
-                    stage, lo, hi, eps, proto, sproto):
-    xa = _at(x, proto, (m * c,))
-    if stage == 0:
-        columns.chunk_moments(xa, c, (rows, run), sproto, _columns_sums(scratch, m, c, rows),
-                              lo, hi)
-    elif stage == 1:
-        columns.merge_moments(_columns_sums(scratch, m, c, rows), rows, m, eps,
-                              (_at(mean, sproto, (c,)), _at(rstd, sproto, (c,)),
-                               _at(var, sproto, (c,))))
-    else:
-        columns.apply_rows(xa, _at(y, proto, (m * c,)), _at(w, sproto, (c,)),
-                           _at(b, sproto, (c,)), _given(mean, rstd, c, from_var, eps, sproto),
-                           stream != 0, lo, hi)
-
-
-@njit(**JIT)
-def columns_backward(g, x, dx, w, mean, rstd, dw, db, scratch, m, c, rows, run, center, fixed,
-                     stream, stage, lo, hi, eps, proto, sproto):
-    ga, xa = _at(g, proto, (m * c,)), _at(x, proto, (m * c,))
-    wa = _at(w, sproto, (c,))
-    stats = (_at(mean, sproto, (c,)), _at(rstd, sproto, (c,)))
-    sums = _columns_sums(scratch, m, c, rows)
-    if stage == 0:
-        columns.chunk_grad_sums(ga, xa, stats, (rows, run), sums, lo, hi)
-    elif stage == 1:
-        columns.merge_grad_sums(sums, m, wa, center != 0, fixed != 0,
-                                (_at(dw, sproto, (c,)), _at(db, sproto, (c,))))
-    else:
-        columns.dx_rows(ga, xa, wa, stats, sums, _at(dx, proto, (m * c,)), stream != 0, lo, hi)
-
-
-# ---- channels_last Instance/GroupNorm (``channels_last``), viewed (N, S * C) -------------
+# ---- rows of channels: Batch/Instance/GroupNorm (``channels_last``), viewed (N, S * C) ----
 # The items are (sample, range of positions), ``parts`` ranges per sample; statistics per
-# unit u = n * sn + c // cg (N * sn units). Scratch: the per-range partials (2, N, parts,
+# unit u = n * sn + c // cg (N * sn units); BatchNorm is one sample (N = 1) of every
+# position, (sn, cg) = (C, 1). Scratch: the per-range partials (2, N, parts,
 # C) float64, then (4, N, C) of the statistics dtype (coefficients per (n, c)).
 # Forward: stage 0 (partial moments), 1 (statistics and coefficients), 2 (y); with fixed
 # statistics stages 1 (coefficients) and 2; ``per_sample``: stage 0 over the samples is

@@ -11,8 +11,8 @@ classes only make it.
 
 ``Rows``          LayerNorm/RMSNorm on contiguous (M, K)
 ``Planes``        Batch/Instance/GroupNorm on contiguous NCHW planes
-``Columns``       BatchNorm on rows of channels: channels_last, and (N, C)
-``ChannelsLast``  Instance/GroupNorm on channels_last (the per-(n, c) family)
+``ChannelsLast``  Batch/Instance/GroupNorm on rows of channels: channels_last, and
+                  BatchNorm1d's (N, C) (the per-(n, c) family)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from normkit.backends.cpu import entries, tuning
 from normkit.backends.cpu.args import Work
 from normkit.backends.torch_ops import stat_dtype
 
-__all__ = ["Rows", "Planes", "Columns", "ChannelsLast", "storage_proto"]
+__all__ = ["Rows", "Planes", "ChannelsLast", "storage_proto"]
 
 # storage dtype seen by the kernels for each torch dtype (see ``half``)
 _STORAGE = {torch.float64: np.float64, torch.float32: np.float32, torch.bfloat16: np.uint16,
@@ -124,39 +124,28 @@ class Planes(_Channels):
                                   scratch=2 * self.n * self.c * self.sproto.itemsize)
 
 
-class Columns(_Channels):
-    """BatchNorm on an (M, C) matrix of rows of channels: channels_last (M = N * S
-    positions) or (N, C); chunks of rows, each direction in three stages (``columns``)."""
-
-    rows_of_channels = True
-
-    def __init__(self, x, grouping, center, fixed):
-        super().__init__(x, grouping, center, fixed)
-        self.m = self.n * self.s
-        self.rows, self.run = tuning.cl_blocks(self.c, self.itemsize)
-        self.chunks = -(-self.m // self.rows)
-        scratch = 2 * self.chunks * self.c * 8                     # float64
-        self.forward_entry = entries.columns_forward
-        self.backward_entry = entries.columns_backward
-        self.forward_work = (Work(0, False, self.m) if fixed
-                             else Work(self.chunks, True, self.m, scratch))
-        self.backward_work = Work(self.chunks, True, self.m, scratch)
-
-
 class ChannelsLast(_Channels):
-    """Instance/GroupNorm on channels_last: per-(n, c) moments over ranges of positions
-    merged to the grouping's statistics in float64; with at least a sample per thread,
-    the forward is one sample per work item (``channels_last``)."""
+    """Batch/Instance/GroupNorm on rows of channels (channels_last, and BatchNorm1d's (N,
+    C)): per-(n, c) moments over ranges of positions, merged to the grouping's statistics
+    in float64 (``channels_last``). BatchNorm's statistics take N and S alike, so its
+    input is one sample of N * S positions, in ranges fixed by the shape
+    (``tuning.batch_parts``) and merged in order: one thread and many give the same bits.
+    Instance/GroupNorm split each sample into ``tuning.parts`` ranges; with at least a
+    sample per thread their forward is one sample per work item."""
 
     rows_of_channels = True
 
     def __init__(self, x, grouping, center, fixed):
         super().__init__(x, grouping, center, fixed)
         self.rows, self.run = tuning.cl_blocks(self.c, self.itemsize)
-        self.parts = tuning.parts(self.n, self.s, self.threads)
+        if grouping.kind == "batch":
+            self.n, self.s = 1, self.n * self.s
+            self.parts = tuning.batch_parts(self.s, self.rows)
+        else:
+            self.parts = tuning.parts(self.n, self.s, self.threads)
         self.sn, self.cg = self.groups, self.c // self.groups      # unit u = n * sn + c // cg
         self.count = grouping.group_size
-        self.per_sample = not fixed and self.n >= self.threads
+        self.per_sample = not fixed and grouping.kind != "batch" and self.n >= self.threads
         units = self.n * self.parts
         scratch = 16 * units * self.c + 4 * self.n * self.c * self.sproto.itemsize
         self.forward_entry, self.backward_entry = entries.cl_forward, entries.cl_backward
@@ -169,4 +158,4 @@ class ChannelsLast(_Channels):
         self.backward_work = Work(units, True, units, scratch)
 
 
-FAMILIES = {"rows": Rows, "planes": Planes, "columns": Columns, "channels_last": ChannelsLast}
+FAMILIES = {"rows": Rows, "planes": Planes, "channels_last": ChannelsLast}

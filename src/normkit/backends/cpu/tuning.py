@@ -31,9 +31,21 @@ def threads(x) -> int:
 
 
 def parts(n, s, threads):
-    """Ranges of the S positions per sample (channels_last kernels), so that there are
-    at least two work items per thread even when N is small."""
+    """Ranges of the S positions per sample (Instance/GroupNorm on channels_last), so that
+    there are at least two work items per thread even when N is small."""
     return max(1, min(s, -(-2 * threads // n)))
+
+
+#: BatchNorm on rows of channels: at least this many ranges of positions (smaller than a
+#: block of lane sums if need be), so that the last stage spreads evenly over the threads
+BATCH_PARTS_MIN = 16
+
+
+def batch_parts(m, rows):
+    """Ranges of the M = N * S positions of BatchNorm on rows of channels: blocks of
+    ``rows`` (``cl_blocks``), at least ``BATCH_PARTS_MIN``. Fixed by the shape, not the
+    thread count: the ranges' partial sums, merged in order, fix the rounding."""
+    return max(1, min(m, max(-(-m // rows), BATCH_PARTS_MIN)))
 
 
 # ---- streaming stores -----------------------------------------------------------------
@@ -115,8 +127,7 @@ def channel_block(channel_bytes):
     return max(1, CHANNEL_BLOCK_BYTES // channel_bytes)
 
 
-#: bytes of rows per block of lane sums (channels_last reductions; a chunk of the
-#: ``columns`` kernels): the block's first pass is read again from L2 (for the block's own
+#: bytes of rows per block of lane sums (channels_last reductions): the block's first pass is read again from L2 (for the block's own
 #: mean), so it must fit there
 BLOCK_BYTES = 256 * 1024
 
