@@ -53,7 +53,7 @@ def test_functional_against_reference(activation, training, shape, fmt, dtype):
     w64, b64, rm64, rv64 = _params(shape[1])
     w, b = w64.float().requires_grad_(), b64.float().requires_grad_()
     rm, rv = rm64.float(), rv64.float()
-    y = F.batch_norm(x, rm, rv, w, b, training, 0.1, 1e-5, activation=activation,
+    y = F.batch_norm_act(x, rm, rv, w, b, training, 0.1, 1e-5, activation=activation,
                      negative_slope=SLOPE)
     assert y.dtype == dtype and y.shape == x.shape
     if fmt is not None:
@@ -91,7 +91,7 @@ def test_fused_equals_torch_then_activation(activation, training, shape, fmt):
         w, b = w64.float().requires_grad_(), b64.float().requires_grad_()
         rm, rv = rm64.float(), rv64.float()
         if fused:
-            y = F.batch_norm(x, rm, rv, w, b, training, activation=activation,
+            y = F.batch_norm_act(x, rm, rv, w, b, training, activation=activation,
                              negative_slope=SLOPE)
         else:
             y = TORCH_ACT[activation](TF.batch_norm(x, rm, rv, w, b, training))
@@ -109,7 +109,7 @@ def test_gradcheck(activation, training):
     w.requires_grad_(), b.requires_grad_()
 
     def fn(x, w, b):
-        return F.batch_norm(x, rm.clone(), rv.clone(), w, b, training, activation=activation,
+        return F.batch_norm_act(x, rm.clone(), rv.clone(), w, b, training, activation=activation,
                             negative_slope=SLOPE)
     assert torch.autograd.gradcheck(fn, (x, w, b))
     if activation == "silu":                     # smooth: the second derivative exists
@@ -140,9 +140,9 @@ def test_bad_activation_errors_name_the_fix():
     with pytest.raises(ValueError, match="relu6"):
         nknn.BatchNorm2d(3, activation="gelu")
     with pytest.raises(TypeError, match="activation='relu'"):
-        F.batch_norm(torch.randn(4, 3), None, None, training=True, activation=TF.relu)
+        F.batch_norm_act(torch.randn(4, 3), None, None, training=True, activation=TF.relu)
     with pytest.raises(ValueError, match="negative_slope"):
-        F.batch_norm(torch.randn(4, 3), None, None, training=True, activation="leaky_relu",
+        F.batch_norm_act(torch.randn(4, 3), None, None, training=True, activation="leaky_relu",
                      negative_slope=float("nan"))
 
 

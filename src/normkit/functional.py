@@ -25,7 +25,7 @@ from normkit.backends import torch_ops
 from normkit.backends.torch_ops import stat_dtype
 from normkit.rms_casting import check_casting, normalize_dtype, scale_and_cast
 
-__all__ = ["batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm", "normalize",
+__all__ = ["batch_norm", "batch_norm_act", "layer_norm", "group_norm", "instance_norm", "rms_norm", "normalize",
            "batch_renorm", "add_layer_norm", "add_rms_norm"]
 
 
@@ -88,9 +88,31 @@ def update_running(running_mean, running_var, mean, var, momentum, unbias=1.0):
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
-               momentum=0.1, eps=1e-5, *, activation=None, negative_slope=0.01):
-    r"""Batch normalization over ``(N, C, *S)``: one mean and variance per channel,
-    optionally followed by an activation in the same call.
+               momentum=0.1, eps=1e-5):
+    r"""Batch normalization over ``(N, C, *S)``: one mean and variance per channel
+    (``batch_norm_act``: followed by an activation in the same call).
+
+    .. math:: y = \gamma \cdot \frac{x - \mu_c}{\sqrt{\sigma_c^2 + \epsilon}} + \beta
+
+    In training (or without running statistics) :math:`\mu_c, \sigma^2_c` are the batch's
+    mean and *biased* variance over N and all spatial positions, and the running
+    statistics, if given, are updated in place with
+    ``running = (1 - momentum) * running + momentum * batch_stat``, the variance stored
+    *unbiased* (``var * n / (n - 1)``). In eval the running statistics normalize.
+
+    Example::
+
+        >>> x = torch.randn(8, 3, 4, 4)
+        >>> rm, rv = torch.zeros(3), torch.ones(3)
+        >>> y = batch_norm(x, rm, rv, training=True)
+    """
+    return _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps,
+                       None)
+
+
+def batch_norm_act(input, running_mean, running_var, weight=None, bias=None, training=False,
+                   momentum=0.1, eps=1e-5, *, activation="relu", negative_slope=0.01):
+    r"""``batch_norm`` followed by an activation, in one call.
 
     .. math:: y = \mathrm{act}\Big(\gamma \cdot \frac{x - \mu_c}{\sqrt{\sigma_c^2 +
               \epsilon}} + \beta\Big)
@@ -101,7 +123,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     ``running = (1 - momentum) * running + momentum * batch_stat``, the variance stored
     *unbiased* (``var * n / (n - 1)``). In eval the running statistics normalize.
 
-    ``activation`` (keyword-only; default None: none) is one of ``"relu"``, ``"relu6"``,
+    ``activation`` (keyword-only) is one of ``"relu"``, ``"relu6"``,
     ``"leaky_relu"`` (with ``negative_slope``) and ``"silu"``: the result then equals
     ``F.relu(batch_norm(...))`` etc., the activation applied where the output is stored
     and its derivative folded into the backward (which recomputes the pre-activation from
@@ -112,15 +134,19 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
 
         >>> x = torch.randn(8, 3, 4, 4)
         >>> rm, rv = torch.zeros(3), torch.ones(3)
-        >>> y = batch_norm(x, rm, rv, training=True)
-        >>> y = batch_norm(x, rm, rv, training=True, activation="relu")
+        >>> y = batch_norm_act(x, rm, rv, training=True, activation="relu")
     """
+    return _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps,
+                       _activation(activation, negative_slope))
+
+
+def _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps, act):
+    """``batch_norm`` (``act`` None) and ``batch_norm_act`` (``act`` an ``Activation``)."""
     if input.dim() < 2:
         raise ValueError(f"batch_norm expects an input of shape (N, C, *), got {input.dim()}D "
                          f"input of size {_size(input.shape)}; add a batch dim with unsqueeze(0)")
     _check_channels(input, running_mean, running_var, weight, bias)
     grouping = _batch(input.shape)
-    act = None if activation is None else _activation(activation, negative_slope)
     if eps < 0 or (training and eps == 0):
         raise ValueError(f"batch_norm eps must be positive (non-negative in eval), got "
                          f"eps={eps}: it keeps a constant channel from dividing by zero; "

@@ -427,8 +427,11 @@ PUBLIC = {
                      "bool use_input_stats=True, float momentum=0.1, float eps=1e-05) -> Tensor",
     "batch_norm": "batch_norm(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
                   "Tensor? weight=None, Tensor? bias=None, bool training=False, "
-                  "float momentum=0.1, float eps=1e-05, *, str? activation=None, "
-                  "float negative_slope=0.01) -> Tensor",
+                  "float momentum=0.1, float eps=1e-05) -> Tensor",
+    "batch_norm_act": "batch_norm_act(Tensor input, Tensor(a!)? running_mean, "
+                      "Tensor(b!)? running_var, Tensor? weight=None, Tensor? bias=None, "
+                      "bool training=False, float momentum=0.1, float eps=1e-05, *, "
+                      "str activation=\"relu\", float negative_slope=0.01) -> Tensor",
     "batch_renorm": "batch_renorm(Tensor input, Tensor(a!) running_mean, Tensor(b!) running_var, "
                     "Tensor? weight=None, Tensor? bias=None, bool training=False, "
                     "float momentum=0.1, float eps=1e-05, float r_max=3.0, float d_max=5.0) "

@@ -147,12 +147,15 @@ class _BatchNorm(KeptPlan, NormBase):
         use_batch_stats = self.training or (running_mean is None and running_var is None)
         track = not self.training or self.track_running_stats
         act = self.__dict__.get("_act")
+        if act is not None:
+            return F.batch_norm_act(input, running_mean if track else None,
+                                    running_var if track else None, self.weight, self.bias,
+                                    use_batch_stats, factor, self.eps, activation=act.name,
+                                    negative_slope=act.slope)
         return F.batch_norm(input,
                             running_mean if track else None,
                             running_var if track else None,
-                            self.weight, self.bias, use_batch_stats, factor, self.eps,
-                            activation=None if act is None else act.name,
-                            negative_slope=0.01 if act is None else act.slope)
+                            self.weight, self.bias, use_batch_stats, factor, self.eps)
 
 
 _BN_DOC = r"""Batch normalization over a {ndim}D input ``(N, C{spatial})`` (Ioffe & Szegedy, 2015).
@@ -173,7 +176,7 @@ _BN_DOC = r"""Batch normalization over a {ndim}D input ``(N, C{spatial})`` (Ioff
         track_running_stats: keep running estimates for eval. Default: True.
         bias: with ``affine``, whether to learn the bias (keyword-only). Default: True.
         activation: ``"relu"``, ``"relu6"``, ``"leaky_relu"`` or ``"silu"`` applied to the
-            output in the same call (keyword-only; ``normkit.functional.batch_norm``'s
+            output in the same call (keyword-only; ``normkit.functional.batch_norm_act``'s
             ``activation``); ``normkit.convert(model, fuse_activation=True)`` sets it where
             an activation module follows. Default: None.
         negative_slope: ``leaky_relu``'s slope (keyword-only). Default: 0.01.
