@@ -23,10 +23,14 @@ def test_constructor_signature_is_torchs(name):
     ours = inspect.signature(getattr(nknn, name).__init__).parameters
     theirs = inspect.signature(getattr(tnn, name).__init__).parameters
     assert list(ours)[:len(theirs)] == list(theirs)
-    # normkit's own options come after torch's, keyword-only (RMSNorm's offset and casting)
+    # normkit's own options come after torch's, keyword-only (RMSNorm's offset and casting,
+    # BatchNorm's fused activation)
     extra = list(ours)[len(theirs):]
     assert all(ours[k].kind is inspect.Parameter.KEYWORD_ONLY for k in extra), extra
-    assert extra == ([] if name != "RMSNorm" else ["offset", "casting"])
+    own = {"RMSNorm": ["offset", "casting"], "BatchNorm1d": ["activation", "negative_slope"],
+           "BatchNorm2d": ["activation", "negative_slope"],
+           "BatchNorm3d": ["activation", "negative_slope"]}
+    assert extra == own.get(name, [])
     for key in theirs:
         assert ours[key].kind == theirs[key].kind, key
         assert ours[key].default == theirs[key].default, key

@@ -34,10 +34,11 @@ def autocast_kernel(key: str, op):
     below = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
     def norm_forward(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
-                     rstd=None):
+                     rstd=None, activation=None, negative_slope=0.0):
         with torch._C._ExcludeDispatchKeyGuard(below):
             x, weight, bias = autocast_inputs(x, weight, bias, kind)
-            return op(x, weight, bias, kind, view, reduce, param_view, eps, center, mean, rstd)
+            return op(x, weight, bias, kind, view, reduce, param_view, eps, center, mean, rstd,
+                      activation, negative_slope)
     return norm_forward
 
 

@@ -50,9 +50,11 @@ import torch
 
 from normkit import backends
 from normkit import grouping as G
+from normkit.activation import Activation
 from normkit.backends import torch_ops
 
-__all__ = ["NormFunction", "AddNormFunction", "grouping_args", "plain_eager", "view_as"]
+__all__ = ["NormFunction", "AddNormFunction", "grouping_args", "activation_args",
+           "as_activation", "plain_eager", "view_as"]
 
 
 def view_as(t, shape):
@@ -65,6 +67,17 @@ def grouping_args(grouping):
     """A ``Grouping`` as the four schema arguments ``(kind, view, reduce, param_view)``."""
     pv = None if grouping.param_view is None else list(grouping.param_view)
     return grouping.kind, list(grouping.view), list(grouping.reduce), pv
+
+
+def activation_args(act):
+    """An ``Activation`` (or None) as the two schema arguments ``(activation,
+    negative_slope)``."""
+    return (None, 0.0) if act is None else (act.name, act.slope)
+
+
+def as_activation(activation, negative_slope):
+    """The ``Activation`` of the two schema arguments (None for ``activation=None``)."""
+    return None if activation is None else Activation(activation, negative_slope)
 
 
 def _grouping(kind, view, reduce, param_view):
@@ -93,8 +106,8 @@ class NormFunction(torch.autograd.Function):
     """The autograd of ``norm_forward``: saves the input, the weight and the fp32 (fp64)
     ``mean`` and ``rstd`` -- ``xhat`` is recomputed -- and runs ``norm_backward``.
 
-    ``apply(x, weight, bias, (grouping, eps, center, mean, rstd, stats[, reduce_sums]))``
-    returns ``y`` in ``x``'s shape; the statistics ``(mean, rstd, var)``, never
+    ``apply(x, weight, bias, (grouping, eps, center, mean, rstd, stats[, act[,
+    reduce_sums]]))`` returns ``y`` in ``x``'s shape; the statistics ``(mean, rstd, var)``, never
     differentiable, are
     appended to the list ``stats`` (one output instead of four, and the arguments that
     take no gradient in one tuple: each argument and output of an ``autograd.Function``
@@ -106,6 +119,10 @@ class NormFunction(torch.autograd.Function):
     a view on every backward. In plain eager mode both directions run the backend's plan
     directly.
 
+    ``act`` (a ``normkit.activation.Activation``, BatchNorm followed by it, fused): ``y =
+    act(w * xhat + b)``; the bias is kept too, and the backward recomputes ``z = w * xhat +
+    b`` and takes ``g * act'(z)`` for ``g``.
+
     ``reduce_sums`` (SyncBatchNorm, ``normkit.nn._sync``): ``mean`` and ``rstd`` are the
     batch statistics of every rank, given, and the backward differentiates through them
     with its two reductions summed over the ranks by ``reduce_sums(sum_g, sum_gx) ->
@@ -114,9 +131,11 @@ class NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, spec):
-        grouping, eps, center, mean, rstd, stats, *sync = spec
+        grouping, eps, center, mean, rstd, stats, *more = spec
         fixed = mean is not None
-        ctx.reduce_sums = sync[0] if sync else None
+        act = more[0] if more else None
+        ctx.reduce_sums = more[1] if len(more) > 1 else None
+        ctx.act = act
         ctx.plan = None
         shape = x.shape
         eager = plain_eager(x)
@@ -125,15 +144,16 @@ class NormFunction(torch.autograd.Function):
         ctx.reshaped = shape != grouping.view and not (eager and x.is_contiguous())
         xv = x.reshape(grouping.view) if ctx.reshaped else x
         if eager:
-            ctx.plan = backends.plan(xv, grouping, center, fixed)
+            ctx.plan = backends.plan(xv, grouping, center, fixed, act)
             y, mean_out, rstd_out, var = ctx.plan.forward(xv, weight, bias, eps, mean, rstd)
         else:
             with torch._C._AutoDispatchBelowAutograd():
                 y, mean_out, rstd_out, var = torch.ops.normkit.norm_forward.default(
-                    xv, weight, bias, *grouping_args(grouping), eps, center, mean, rstd)
+                    xv, weight, bias, *grouping_args(grouping), eps, center, mean, rstd,
+                    *activation_args(act))
         stats += (mean_out, rstd_out, var)
         ctx.save_for_backward(x, weight, mean if fixed else mean_out,   # x: double backward
-                              rstd if fixed else rstd_out)
+                              rstd if fixed else rstd_out, bias if act is not None else None)
         ctx.grouping, ctx.eps, ctx.center, ctx.fixed = grouping, eps, center, fixed
         ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
         if ctx.reshaped:   # an alias autograd does not track as a view
@@ -142,7 +162,7 @@ class NormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, weight, mean, rstd = ctx.saved_tensors
+        x, weight, mean, rstd, bias = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         plan = ctx.plan if not torch.is_grad_enabled() and plain_eager(grad_y) else None
         shape, view = x.shape, ctx.grouping.view
@@ -157,11 +177,12 @@ class NormFunction(torch.autograd.Function):
                                             weight, ctx.grouping, True, False, needs,
                                             reduce_sums=ctx.reduce_sums)
         elif plan is not None:
-            dx, dw, db = plan.backward(grad_y, x, mean, rstd, weight, needs)
+            dx, dw, db = (plan.backward(grad_y, x, mean, rstd, weight, needs) if ctx.act is None
+                          else plan.backward(grad_y, x, mean, rstd, weight, needs, bias))
         else:
             dx, dw, db = torch.ops.normkit.norm_backward.default(
                 grad_y, x, mean, rstd, weight, *grouping_args(ctx.grouping), ctx.eps,
-                ctx.center, ctx.fixed, list(needs))
+                ctx.center, ctx.fixed, list(needs), bias, *activation_args(ctx.act))
         grouping = ctx.grouping
         dx = (dx if dx.shape == shape else dx.reshape(shape)) if needs[0] else None
         dw = _to_param(dw, weight.shape, weight.dtype, grouping) if needs[1] else None

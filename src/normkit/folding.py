@@ -299,6 +299,17 @@ def _fold_into(producer, bn) -> None:
 # The entry point
 
 
+def _after_fold(bn):
+    """What a folded BatchNorm becomes: ``nn.Identity()``, or the activation module it
+    applied (a normkit BatchNorm with ``activation``, ``normkit.functional.batch_norm``)."""
+    name = getattr(bn, "activation", None)
+    if name is None:
+        return nn.Identity()
+    if name == "leaky_relu":
+        return nn.LeakyReLU(bn.negative_slope)
+    return {"relu": nn.ReLU, "relu6": nn.ReLU6, "silu": nn.SiLU}[name]()
+
+
 def fold(model: nn.Module, *, inplace: bool = False) -> FoldReport:
     r"""Fold every eval-mode BatchNorm1d/2d/3d into the Conv or Linear layer that feeds it.
 
@@ -309,7 +320,8 @@ def fold(model: nn.Module, *, inplace: bool = False) -> FoldReport:
               b' = (b - \mu) \frac{\gamma}{\sqrt{\sigma^2 + \epsilon}} + \beta
 
     per output channel (computed in float64, cast to the producer's dtype; a missing
-    bias is created), and the BatchNorm becomes ``nn.Identity()``. torch.nn's and normkit's
+    bias is created), and the BatchNorm becomes ``nn.Identity()`` (or the activation module
+    a normkit BatchNorm with an ``activation`` applied). torch.nn's and normkit's
     BatchNorm layers both fold; grouped, dilated and bias-free convolutions included.
     The producer is found from the ``torch.fx`` graph of the model, so the order in which
     modules are declared does not matter. fx records no shapes: a ``Linear`` feeding a
@@ -404,6 +416,6 @@ def fold(model: nn.Module, *, inplace: bool = False) -> FoldReport:
     for name, bn, producer_name, producer in to_fold:
         _fold_into(producer, bn)
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, nn.Identity())
+        setattr(model.get_submodule(parent_name), attr, _after_fold(bn))
         report.folded.append((name, producer_name, type(producer).__name__))
     return report

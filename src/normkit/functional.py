@@ -19,12 +19,13 @@ import torch
 
 from normkit import backends, ops
 from normkit import grouping as G
+from normkit.activation import resolve
 from normkit.ops import add_norm, apply_norm
 from normkit.backends import torch_ops
 from normkit.backends.torch_ops import stat_dtype
 from normkit.rms_casting import check_casting, normalize_dtype, scale_and_cast
 
-__all__ = ["batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm", "normalize",
+__all__ = ["batch_norm", "batch_norm_act", "layer_norm", "group_norm", "instance_norm", "rms_norm", "normalize",
            "batch_renorm", "add_layer_norm", "add_rms_norm"]
 
 
@@ -56,6 +57,7 @@ def _eager_cached(make):
 
 
 _batch, _instance = _eager_cached(G.batch), _eager_cached(G.instance)
+_activation = _eager_cached(resolve)
 _group, _layer = _eager_cached(G.group), _eager_cached(G.layer)
 
 
@@ -87,7 +89,8 @@ def update_running(running_mean, running_var, mean, var, momentum, unbias=1.0):
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
                momentum=0.1, eps=1e-5):
-    r"""Batch normalization over ``(N, C, *S)``: one mean and variance per channel.
+    r"""Batch normalization over ``(N, C, *S)``: one mean and variance per channel
+    (``batch_norm_act``: followed by an activation in the same call).
 
     .. math:: y = \gamma \cdot \frac{x - \mu_c}{\sqrt{\sigma_c^2 + \epsilon}} + \beta
 
@@ -103,6 +106,42 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         >>> rm, rv = torch.zeros(3), torch.ones(3)
         >>> y = batch_norm(x, rm, rv, training=True)
     """
+    return _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps,
+                       None)
+
+
+def batch_norm_act(input, running_mean, running_var, weight=None, bias=None, training=False,
+                   momentum=0.1, eps=1e-5, *, activation="relu", negative_slope=0.01):
+    r"""``batch_norm`` followed by an activation, in one call.
+
+    .. math:: y = \mathrm{act}\Big(\gamma \cdot \frac{x - \mu_c}{\sqrt{\sigma_c^2 +
+              \epsilon}} + \beta\Big)
+
+    In training (or without running statistics) :math:`\mu_c, \sigma^2_c` are the batch's
+    mean and *biased* variance over N and all spatial positions, and the running
+    statistics, if given, are updated in place with
+    ``running = (1 - momentum) * running + momentum * batch_stat``, the variance stored
+    *unbiased* (``var * n / (n - 1)``). In eval the running statistics normalize.
+
+    ``activation`` (keyword-only) is one of ``"relu"``, ``"relu6"``,
+    ``"leaky_relu"`` (with ``negative_slope``) and ``"silu"``: the result then equals
+    ``F.relu(batch_norm(...))`` etc., the activation applied where the output is stored
+    and its derivative folded into the backward (which recomputes the pre-activation from
+    the input and the statistics: nothing more is kept for backward than without it).
+    Statistics and the running update are BatchNorm's.
+
+    Example::
+
+        >>> x = torch.randn(8, 3, 4, 4)
+        >>> rm, rv = torch.zeros(3), torch.ones(3)
+        >>> y = batch_norm_act(x, rm, rv, training=True, activation="relu")
+    """
+    return _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps,
+                       _activation(activation, negative_slope))
+
+
+def _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps, act):
+    """``batch_norm`` (``act`` None) and ``batch_norm_act`` (``act`` an ``Activation``)."""
     if input.dim() < 2:
         raise ValueError(f"batch_norm expects an input of shape (N, C, *), got {input.dim()}D "
                          f"input of size {_size(input.shape)}; add a batch dim with unsqueeze(0)")
@@ -129,10 +168,10 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         mean = running_mean if running_mean.dtype == sdtype else running_mean.to(sdtype)
         var = running_var if running_var.dtype == sdtype else running_var.to(sdtype)
         return apply_norm(input, grouping, weight, bias, eps, True, mean, keep_stats=False,
-                          fixed_var=var)[0]
+                          fixed_var=var, act=act)[0]
     running = (None if running_mean is None or n <= 0 else
                (running_mean, running_var, momentum, n / (n - 1)))
-    y, mean, var = apply_norm(input, grouping, weight, bias, eps, running=running)
+    y, mean, var = apply_norm(input, grouping, weight, bias, eps, running=running, act=act)
     if running is not None and mean is not None:     # traced: not updated on the way
         update_running(*running[:2], mean, var, *running[2:])
     return y

@@ -54,8 +54,8 @@ import torch
 
 from normkit import backends
 from normkit import grouping as G
-from normkit.autograd import (AddNormFunction, NormFunction, _grouping, grouping_args,
-                              plain_eager)
+from normkit.autograd import (AddNormFunction, NormFunction, _grouping, activation_args,
+                              as_activation, grouping_args, plain_eager)
 from normkit.backends import torch_ops
 
 __all__ = ["add_norm", "apply_norm", "run", "norm_forward", "norm_backward", "grouping_args",
@@ -65,12 +65,13 @@ __all__ = ["add_norm", "apply_norm", "run", "norm_forward", "norm_backward", "gr
 _lib = torch.library.Library("normkit", "DEF")
 
 _GROUPING = "str kind, SymInt[] view, int[] reduce, SymInt[]? param_view"
+_ACT = "str? activation=None, float negative_slope=0.0"
 _lib.define(f"norm_forward(Tensor x, Tensor? weight, Tensor? bias, {_GROUPING}, float eps, "
-            f"bool center, Tensor? mean=None, Tensor? rstd=None) "
+            f"bool center, Tensor? mean=None, Tensor? rstd=None, {_ACT}) "
             f"-> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define(f"norm_backward(Tensor grad, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, "
-            f"{_GROUPING}, float eps, bool center, bool fixed, bool[3] needs) "
-            f"-> (Tensor, Tensor, Tensor)")
+            f"{_GROUPING}, float eps, bool center, bool fixed, bool[3] needs, "
+            f"Tensor? bias=None, {_ACT}) -> (Tensor, Tensor, Tensor)")
 
 _forward_op = torch.ops.normkit.norm_forward.default
 _backward_op = torch.ops.normkit.norm_backward.default
@@ -88,10 +89,11 @@ def _param_grad_shape(grouping):
 # ---------------------------------------------------------------------------- kernels
 
 def _forward_impl(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
-                  rstd=None):
+                  rstd=None, activation=None, negative_slope=0.0):
     grouping = _grouping(kind, view, reduce, param_view)
     fixed = mean is not None
-    y, mean_out, rstd_out, var = backends.plan(x, grouping, center, fixed).forward(
+    act = as_activation(activation, negative_slope)
+    y, mean_out, rstd_out, var = backends.plan(x, grouping, center, fixed, act).forward(
         x, weight, bias, eps, mean, rstd)
     if fixed:  # the given statistics are the caller's tensors: return none of them
         return (y, *_empty_stats(x))
@@ -110,7 +112,7 @@ def _empty_stats(x):
 
 
 def _forward_fake(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
-                  rstd=None):
+                  rstd=None, activation=None, negative_slope=0.0):
     sdtype = torch_ops.stat_dtype(x.dtype)
     if mean is not None:
         return (torch.empty_like(x), x.new_empty(0, dtype=sdtype), x.new_empty(0, dtype=sdtype),
@@ -131,15 +133,17 @@ def _backward_outputs(grouping, x, sdtype, dx, dw, db):
 
 
 def _backward_impl(grad, x, mean, rstd, weight, kind, view, reduce, param_view, eps, center,
-                   fixed, needs):
+                   fixed, needs, bias=None, activation=None, negative_slope=0.0):
     grouping = _grouping(kind, view, reduce, param_view)
-    dx, dw, db = backends.plan(x, grouping, center, fixed).backward(grad, x, mean, rstd, weight,
-                                                                    tuple(needs))
+    act = as_activation(activation, negative_slope)
+    plan = backends.plan(x, grouping, center, fixed, act)
+    dx, dw, db = (plan.backward(grad, x, mean, rstd, weight, tuple(needs)) if act is None
+                  else plan.backward(grad, x, mean, rstd, weight, tuple(needs), bias))
     return _backward_outputs(grouping, x, mean.dtype, dx, dw, db)
 
 
 def _backward_fake(grad, x, mean, rstd, weight, kind, view, reduce, param_view, eps, center,
-                   fixed, needs):
+                   fixed, needs, bias=None, activation=None, negative_slope=0.0):
     grouping = _grouping(kind, view, reduce, param_view)
     sdtype = mean.dtype
     empty = x.new_empty(0, dtype=sdtype)
@@ -150,14 +154,16 @@ def _backward_fake(grad, x, mean, rstd, weight, kind, view, reduce, param_view, 
     return dx, dw, db
 
 
-def _composite_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs):
+def _composite_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs,
+                        bias=None, act=None):
     """The backward in differentiable torch ops, statistics recomputed from ``x`` (unless
     fixed), so that autograd differentiates it, their dependence on ``x`` included: the
     double-backward path."""
     if not fixed:
         xs = x.to(torch_ops.stat_dtype(x.dtype))
         mean, _, rstd = torch_ops.compute_stats(xs, grouping, eps, center)
-    return torch_ops.backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs)
+    return torch_ops.backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs,
+                              act=act, bias=bias)
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -167,29 +173,31 @@ def _needs_grad(*tensors) -> bool:
 
 
 def _forward_autograd(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
-                      rstd=None):
+                      rstd=None, activation=None, negative_slope=0.0):
     if _needs_grad(x, weight, bias):
         stats = []
         y = NormFunction.apply(x, weight, bias, (_grouping(kind, view, reduce, param_view), eps,
-                                                 center, mean, rstd, stats))
+                                                 center, mean, rstd, stats,
+                                                 as_activation(activation, negative_slope)))
         if mean is not None:  # fixed: the given statistics are not outputs
             return (y, *_empty_stats(x))
         return (y, *(_own_storage(*stats) if plain_eager(x) else stats))
     with torch._C._AutoDispatchBelowAutograd():  # nothing to record: no autograd.Function
         return _forward_op(x, weight, bias, kind, view, reduce, param_view, eps, center, mean,
-                           rstd)
+                           rstd, activation, negative_slope)
 
 
 def _backward_autograd(grad, x, mean, rstd, weight, kind, view, reduce, param_view, eps, center,
-                       fixed, needs):
-    if _needs_grad(grad, x, mean, rstd, weight):
+                       fixed, needs, bias=None, activation=None, negative_slope=0.0):
+    if _needs_grad(grad, x, mean, rstd, weight, bias):
         grouping = _grouping(kind, view, reduce, param_view)
         dx, dw, db = _composite_backward(grad, x, mean, rstd, weight, grouping, eps, center,
-                                         fixed, tuple(needs))
+                                         fixed, tuple(needs), bias,
+                                         as_activation(activation, negative_slope))
         return _backward_outputs(grouping, x, mean.dtype, dx, dw, db)
     with torch._C._AutoDispatchBelowAutograd():
         return _backward_op(grad, x, mean, rstd, weight, kind, view, reduce, param_view, eps,
-                            center, fixed, needs)
+                            center, fixed, needs, bias, activation, negative_slope)
 
 
 _lib.impl("norm_forward", _forward_impl, "CompositeExplicitAutograd")
@@ -227,7 +235,8 @@ def run(plan, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=N
         if mean is not None:
             mean, rstd = torch_ops.fixed_stats(grouping, mean, rstd, var, eps)
         stats = []
-        y = NormFunction.apply(x, weight, bias, (grouping, eps, plan.center, mean, rstd, stats))
+        y = NormFunction.apply(x, weight, bias, (grouping, eps, plan.center, mean, rstd, stats,
+                                                 plan.act))
         out = (y, *stats)
     else:
         out = plan.forward(x, weight, bias, eps, mean, rstd, keep_stats, var)
@@ -239,7 +248,7 @@ def run(plan, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=N
 
 
 def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mean=None,
-                 rstd=None, keep_stats=True, var=None, running=None):
+                 rstd=None, keep_stats=True, var=None, running=None, act=None):
     """``torch.ops.normkit.norm_forward`` over ``grouping`` for ``x`` in any shape with the
     view's number of elements. Returns ``(y, mean, rstd, var)`` with ``y`` in ``x``'s
     shape (with fixed statistics: the given ``mean`` and ``rstd`` and ``var = None`` in
@@ -248,7 +257,9 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     ``var`` (``rstd=None``): eval BatchNorm's running statistics, as (C,) buffers or in
     the grouping's ``stat_shape``. ``running = (running_mean, running_var, momentum,
     unbias)`` (training BatchNorm): the buffers updated on the way, and no statistics
-    returned (eager); traced, the caller updates them.
+    returned (eager); traced, the caller updates them. ``act`` (a
+    ``normkit.activation.Activation``): ``y`` is the activation of the norm's output
+    (BatchNorm followed by it, fused).
 
     In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
     and runs the plan of the input (``run``); traced, it is the operator call on the
@@ -264,12 +275,12 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
             x = xv = x.contiguous()
         elif xv is None:                  # (the plan of the view; its forward views x)
             xv = x.reshape(grouping.view)
-        plan = backends.plan(xv, grouping, center, mean is not None)
+        plan = backends.plan(xv, grouping, center, mean is not None, act)
         return run(plan, x, weight, bias, eps, mean, rstd, keep_stats, var, running)
     if mean is not None:
         mean, rstd = torch_ops.fixed_stats(grouping, mean, rstd, var, eps)
     y, *stats = _forward_op(x.reshape(grouping.view), weight, bias, *grouping_args(grouping),
-                            eps, center, mean, rstd)
+                            eps, center, mean, rstd, *activation_args(act))
     return (y.reshape(x.shape), *stats)
 
 
@@ -283,10 +294,11 @@ def _rows_of_channels_view(x, grouping):
     return x.view(grouping.view)
 
 
-def norm_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs):
+def norm_backward(grad, x, mean, rstd, weight, grouping, eps, center, fixed, needs, bias=None,
+                  act=None):
     """``torch.ops.normkit.norm_backward`` over ``grouping``: ``(dx, dweight, dbias)``."""
     return _backward_op(grad, x, mean, rstd, weight, *grouping_args(grouping), eps, center,
-                        fixed, list(needs))
+                        fixed, list(needs), bias, *activation_args(act))
 
 
 # ---------------------------------------------------------------------------- when to decompose
@@ -322,10 +334,11 @@ def decomposing() -> bool:
 
 
 def _composite_forward(x, weight, bias, kind, view, reduce, param_view, eps, center, mean=None,
-                       rstd=None):
+                       rstd=None, activation=None, negative_slope=0.0):
     grouping = _grouping(kind, view, reduce, param_view)
     y, mean_out, rstd_out, var = torch_ops.forward(x, grouping, weight, bias, eps, center,
-                                                   mean, rstd)
+                                                   mean, rstd,
+                                                   as_activation(activation, negative_slope))
     if mean is not None:
         empty = x.new_empty(0, dtype=torch_ops.stat_dtype(x.dtype))
         return y, empty, empty.clone(), empty.clone()
@@ -333,10 +346,11 @@ def _composite_forward(x, weight, bias, kind, view, reduce, param_view, eps, cen
 
 
 def _composite_backward_op(grad, x, mean, rstd, weight, kind, view, reduce, param_view, eps,
-                           center, fixed, needs):
+                           center, fixed, needs, bias=None, activation=None, negative_slope=0.0):
     grouping = _grouping(kind, view, reduce, param_view)
     dx, dw, db = torch_ops.backward(grad, x, mean, rstd, weight, grouping, center, fixed,
-                                    tuple(needs))
+                                    tuple(needs), act=as_activation(activation, negative_slope),
+                                    bias=bias)
     return _backward_outputs(grouping, x, mean.dtype, dx, dw, db)
 
 
@@ -351,7 +365,7 @@ def decompositions() -> dict:
 
 def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
                fixed_mean=None, fixed_rstd=None, keep_stats=True, fixed_var=None,
-               running=None):
+               running=None, act=None):
     """Run ``torch.ops.normkit.norm_forward`` on ``x`` seen through ``grouping.view`` (the
     composite torch ops where ``normkit.decomposing()``); returns ``(y, mean, var)``
     with ``y`` in ``x``'s shape (and memory layout); ``keep_stats=False``: the caller uses
@@ -359,20 +373,21 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
     ``fixed_rstd``, or ``fixed_var`` instead of the rstd. ``running``: the running
     buffers to update on the way where the path can (``normkit.ops.norm_forward``; then
     ``mean`` and ``var`` come back None and the caller has nothing left to update). ``y``
-    is never a view of ``x``, so callers may modify it in place."""
+    is never a view of ``x``, so callers may modify it in place. ``act``: ``y`` is that
+    activation of the norm's output (``normkit.activation``)."""
     if not torch.compiler.is_compiling():        # eager (the common case, checked first)
         y, mean, _, var = norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
-                                           fixed_rstd, keep_stats, fixed_var, running)
+                                       fixed_rstd, keep_stats, fixed_var, running, act)
         return y, mean, var
     if decomposing():
         if fixed_mean is not None:
             fixed_mean, fixed_rstd = torch_ops.fixed_stats(grouping, fixed_mean, fixed_rstd,
                                                            fixed_var, eps)
         y, mean, _, var = torch_ops.forward(x.reshape(grouping.view), grouping, weight, bias,
-                                            eps, center, fixed_mean, fixed_rstd)
+                                            eps, center, fixed_mean, fixed_rstd, act)
         return y.reshape(x.shape), mean, var
     y, mean, _, var = norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
-                                       fixed_rstd, keep_stats, fixed_var)
+                                   fixed_rstd, keep_stats, fixed_var, act=act)
     return y, mean, var
 
 
@@ -418,6 +433,10 @@ PUBLIC = {
     "batch_norm": "batch_norm(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
                   "Tensor? weight=None, Tensor? bias=None, bool training=False, "
                   "float momentum=0.1, float eps=1e-05) -> Tensor",
+    "batch_norm_act": "batch_norm_act(Tensor input, Tensor(a!)? running_mean, "
+                      "Tensor(b!)? running_var, Tensor? weight=None, Tensor? bias=None, "
+                      "bool training=False, float momentum=0.1, float eps=1e-05, *, "
+                      "str activation=\"relu\", float negative_slope=0.01) -> Tensor",
     "batch_renorm": "batch_renorm(Tensor input, Tensor(a!) running_mean, Tensor(b!) running_var, "
                     "Tensor? weight=None, Tensor? bias=None, bool training=False, "
                     "float momentum=0.1, float eps=1e-05, float r_max=3.0, float d_max=5.0) "

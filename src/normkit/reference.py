@@ -47,6 +47,7 @@ from __future__ import annotations
 import numpy as np
 
 from normkit import grouping as G
+from normkit.activation import resolve
 
 __all__ = [
     "normalize_forward", "normalize_backward",
@@ -56,6 +57,8 @@ __all__ = [
     "group_norm_forward", "group_norm_backward",
     "rms_norm_forward", "rms_norm_backward",
     "batch_renorm_forward", "batch_renorm_backward",
+    "activation_forward", "activation_derivative",
+    "batch_norm_act_forward", "batch_norm_act_backward",
 ]
 
 
@@ -313,3 +316,76 @@ def batch_renorm_backward(dout, cache):
     if cache["has_bias"]:
         db = _sum_to(g, cache["bshape"], g_)
     return dx.reshape(x.shape), dw, db
+
+
+# ---------------------------------------------------------------------------------------
+# BatchNorm followed by an activation (normkit.activation), fused
+# ---------------------------------------------------------------------------------------
+# Forward, per channel c, with the statistics of BatchNorm (batch or running):
+#
+#     z = w * xhat + b                      (the plain BatchNorm output)
+#     y = act(z)
+#
+# Backward. Let g = dL/dy. The activation is elementwise, so dL/dz = g * act'(z) =: g'
+# (z recomputed from x and the kept statistics: nothing more is kept than for BatchNorm
+# alone). From there it is BatchNorm's backward with g' in place of g:
+#
+#     dxhat = g' * w
+#     dw = sum(g' * xhat),  db = sum(g')
+#     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))   (batch statistics)
+#     dx = rstd * dxhat                                               (fixed statistics)
+#
+# so the two sums the backward takes anyway are sums over g' and g' * xhat, and the
+# activation costs one more factor per element, no pass of its own.
+
+def activation_forward(z, activation, negative_slope=0.01):
+    """``act(z)`` in float64 for an activation name of ``normkit.activation``."""
+    act = resolve(activation, negative_slope)
+    z = _f64(z)
+    if act.name == "relu":
+        return np.maximum(z, 0.0)
+    if act.name == "relu6":
+        return np.minimum(np.maximum(z, 0.0), 6.0)
+    if act.name == "leaky_relu":
+        return np.where(z > 0, z, act.slope * z)
+    return z / (1.0 + np.exp(-z))                                    # silu: z * sigmoid(z)
+
+
+def activation_derivative(z, activation, negative_slope=0.01):
+    """``act'(z)`` in float64; at the kinks as torch's backward takes it (0 at ``z = 0``
+    for relu and at ``z = 0``, ``z = 6`` for relu6; ``slope`` at 0 for leaky_relu)."""
+    act = resolve(activation, negative_slope)
+    z = _f64(z)
+    if act.name == "relu":
+        return (z > 0).astype(np.float64)
+    if act.name == "relu6":
+        return ((z > 0) & (z < 6)).astype(np.float64)
+    if act.name == "leaky_relu":
+        return np.where(z > 0, 1.0, act.slope)
+    s = 1.0 / (1.0 + np.exp(-z))                                     # sigmoid(z)
+    return s * (1.0 + z * (1.0 - s))                                 # d(z * s)/dz
+
+
+def batch_norm_act_forward(x, running_mean=None, running_var=None, weight=None, bias=None,
+                           training=False, momentum=0.1, eps=1e-5, activation="relu",
+                           negative_slope=0.01):
+    """``act(batch_norm(x))``: returns ``(y, cache)``, the cache BatchNorm's (running
+    statistics updated as ``batch_norm_forward`` does) plus the activation; ``z`` is not
+    kept."""
+    z, cache = batch_norm_forward(x, running_mean, running_var, weight, bias, training,
+                                  momentum, eps)
+    cache["activation"] = (activation, negative_slope)
+    cache["bias"] = _param(bias, cache["grouping"])
+    return activation_forward(z, activation, negative_slope), cache
+
+
+def batch_norm_act_backward(dout, cache):
+    """Hand-derived gradients of ``batch_norm_act_forward``: ``(dx, dweight, dbias)``."""
+    g_ = cache["grouping"]
+    x, mean, rstd, w, b = (cache[k] for k in ("x", "mean", "rstd", "weight", "bias"))
+    xhat = (x.reshape(g_.view) - mean) * rstd                       # N, C, S, recomputed
+    z = xhat if w is None else xhat * w                             # N, C, S
+    if b is not None:
+        z = z + b                                                   # the pre-activation
+    g = _f64(dout).reshape(g_.view) * activation_derivative(z, *cache["activation"])  # g'
+    return normalize_backward(g.reshape(x.shape), cache)

@@ -18,6 +18,12 @@ described by a ``normkit.grouping.Grouping``:
     the parameter's size), shaped with those dims kept or as the parameter's elements
     alone (callers reshape).
 
+``supports_activation(x, grouping, act) -> bool`` (optional)
+    Whether this backend applies ``act`` (a ``normkit.activation.Activation``: BatchNorm
+    followed by an activation, fused) in its ``forward(..., act=act)`` and takes
+    ``backward(..., act=act, bias=bias)``; a backend without it runs no activation, and
+    ``select`` passes it by for a call that has one.
+
 ``group_moments(x, grouping) -> (mean, var)`` (optional)
     The statistics alone (SyncBatchNorm merges them across processes before it
     normalizes); a backend without it leaves them to ``torch_ops``.
@@ -76,12 +82,19 @@ def fused_kernels_cover(x, grouping, center, fixed) -> bool:
             and (center or grouping.kind == "layer"))
 
 
-def select(x, grouping, center=True, fixed=False):
-    """Return the backend module that runs this normalization."""
+def select(x, grouping, center=True, fixed=False, act=None):
+    """Return the backend module that runs this normalization (followed by ``act``, a
+    ``normkit.activation.Activation``, when given: a backend that declares it fuses it)."""
     for backend in _candidates():
-        if backend.supports(x, grouping, center, fixed):
+        if backend.supports(x, grouping, center, fixed) and (
+                act is None or getattr(backend, "supports_activation",
+                                       _no_activation)(x, grouping, act)):
             return backend
     return torch_ops
+
+
+def _no_activation(x, grouping, act) -> bool:
+    return False
 
 
 def like(t, ref):
@@ -95,28 +108,31 @@ def like(t, ref):
 
 class BackendPlan:
     """The plan of a backend without its own: its ``forward`` and ``backward`` with the
-    grouping bound (output laid out as ``torch.empty_like(x)``, as the plans promise)."""
+    grouping bound (output laid out as ``torch.empty_like(x)``, as the plans promise);
+    ``act``: the activation applied to the output (its backward then takes the bias)."""
 
-    def __init__(self, backend, grouping, center, fixed):
+    def __init__(self, backend, grouping, center, fixed, act=None):
         self.backend, self.grouping = backend, grouping     # (x viewed inside)
-        self.center, self.fixed = center, fixed
+        self.center, self.fixed, self.act = center, fixed, act
+        self._act = {} if act is None else {"act": act}
 
     def forward(self, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=None):
         if mean is not None:
             mean, rstd = torch_ops.fixed_stats(self.grouping, mean, rstd, var, eps)
         view = self.grouping.view
         y, mean, rstd, var = self.backend.forward(x.reshape(view), self.grouping, weight, bias,
-                                                  eps, self.center, mean, rstd)
+                                                  eps, self.center, mean, rstd, **self._act)
         out = y.reshape(x.shape)
         if out._base is not None:  # a view of the backend's output: an alias autograd does not
             out = torch.ops.aten._unsafe_view(y, x.shape)   # track, so y += r stays allowed
         return like(out, x), mean, rstd, var
 
-    def backward(self, grad, x, mean, rstd, weight, needs):
+    def backward(self, grad, x, mean, rstd, weight, needs, bias=None):
         view = self.grouping.view
+        extra = {} if self.act is None else {"act": self.act, "bias": bias}
         dx, dw, db = self.backend.backward(grad.reshape(view), x.reshape(view), mean, rstd,
                                            weight, self.grouping, self.center, self.fixed,
-                                           needs)
+                                           needs, **extra)
         return (None if dx is None else dx.reshape(x.shape)), dw, db
 
 
@@ -124,18 +140,23 @@ _PLANS = {}
 _PLANS_MAX = 4096          # distinct shapes kept; a model has tens, dynamic shapes more
 
 
-def plan(x, grouping, center=True, fixed=False):
+def plan(x, grouping, center=True, fixed=False, act=None):
     """The plan that runs this normalization of ``x`` (cached; see above): ``x`` is the
     grouping's view, or any shape that views as it without a copy; the plan then takes
-    inputs of that shape and strides and gives outputs of that shape."""
+    inputs of that shape and strides and gives outputs of that shape. ``act`` (a
+    ``normkit.activation.Activation``): the plan applies it to its output, and its
+    ``backward`` takes the forward's bias."""
     key = (grouping, x.shape, x.stride(), x.dtype, x.device, center, fixed,
-           torch.get_num_threads())
+           torch.get_num_threads(), act)
     found = _PLANS.get(key)
     if found is None:
-        backend = select(x.view(grouping.view), grouping, center, fixed)
+        backend = select(x.view(grouping.view), grouping, center, fixed, act)
         maker = getattr(backend, "plan", None)
-        found = (maker(x, grouping, center, fixed) if maker is not None
-                 else BackendPlan(backend, grouping, center, fixed))
+        if maker is None:
+            found = BackendPlan(backend, grouping, center, fixed, act)
+        else:
+            found = (maker(x, grouping, center, fixed) if act is None
+                     else maker(x, grouping, center, fixed, act))
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
         _PLANS[key] = found

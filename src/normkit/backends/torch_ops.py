@@ -83,23 +83,54 @@ def group_moments(x, grouping):
     return mean, var
 
 
-def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
+def activate(z, act):
+    """``act(z)`` (``act`` a ``normkit.activation.Activation``, or None: ``z``), in ``z``'s
+    dtype, by torch's own functions (the composite path's fused BatchNorm)."""
+    if act is None:
+        return z
+    if act.name == "relu":
+        return torch.relu(z)
+    if act.name == "relu6":
+        return torch.nn.functional.relu6(z)
+    if act.name == "leaky_relu":
+        return torch.nn.functional.leaky_relu(z, act.slope)
+    return torch.nn.functional.silu(z)
+
+
+def activation_grad(g, z, act):
+    r"""``g * act'(z)`` (``normkit.reference.activation_derivative``) in differentiable torch
+    ops, so that autograd differentiates the fused backward too."""
+    if act.name == "relu":
+        return g * (z > 0).to(g.dtype)
+    if act.name == "relu6":
+        return g * ((z > 0) & (z < 6)).to(g.dtype)
+    if act.name == "leaky_relu":
+        return torch.where(z > 0, g, g * act.slope)
+    s = torch.sigmoid(z)
+    return g * (s * (1 + z * (1 - s)))
+
+
+def _affine(xhat, w, b):
+    y = xhat if w is None else xhat * w
+    return y if b is None else y + b
+
+
+def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None, act=None):
+    """``y = act(w * xhat + b)`` (``act`` None: no activation), computed in the statistics
+    dtype and cast once to ``x``'s; returns ``(y, mean, rstd, var)``."""
     sdtype = stat_dtype(x.dtype)
     xs = x.to(sdtype)                                             # view shape
     var = None
     if mean is None:
         mean, var, rstd = compute_stats(xs, grouping, eps, center)
-    y = (xs - mean) * rstd                                        # xhat
+    xhat = (xs - mean) * rstd
     w, b = _param(weight, grouping, sdtype), _param(bias, grouping, sdtype)
-    if w is not None:
-        y = y * w
-    if b is not None:
-        y = y + b
+    y = activate(_affine(xhat, w, b), act)
     return y.to(x.dtype), mean, rstd, var
 
 
 def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs, *, xhat=None,
-             reduce_sums=None):
+             reduce_sums=None, act=None, bias=None):
     r"""The hand-derived gradient of ``y = w * xhat + b``, ``xhat = (x - mean) * rstd``:
 
     .. math:: dx = \mathrm{rstd}\,(\hat g - c_2 - \hat x\, c_1), \quad
@@ -115,12 +146,18 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs, *, xha
       add-norm recovers it from the output; ``x`` is then only a shape/dtype template);
     * ``reduce_sums(sum_g, sum_gx) -> (c2, c1)``: turns this process's per-group sums of
       ``dxhat`` and ``dxhat * xhat`` into the two means (SyncBatchNorm all-reduces them and
-      divides by the global count). Default: divide by the local group size.
+      divides by the global count). Default: divide by the local group size;
+    * ``act`` (with the forward's ``bias``): the output was ``act(w * xhat + b)``; the
+      pre-activation ``z`` is recomputed from ``xhat`` and ``g`` becomes ``g * act'(z)``
+      before all of the above (``normkit.reference.batch_norm_act_backward``).
     """
     sdtype = mean.dtype
     g = grad.to(sdtype)                                           # view shape
     if xhat is None:
         xhat = (x.to(sdtype) - mean) * rstd                       # recomputed
+    if act is not None:                                           # g' = g * act'(z)
+        z = _affine(xhat, _param(weight, grouping, sdtype), _param(bias, grouping, sdtype))
+        g = activation_grad(g, z, act)
     dx = dw = db = None
     if needs[0]:
         w = _param(weight, grouping, sdtype)

@@ -25,6 +25,12 @@ in a forward (``h = a + b; r = h; h = self.norm(h)`` in a decoder layer, ``self.
 b)`` in a post-norm block) into one ``add_rms_norm`` / ``add_layer_norm`` call, where that
 equals the unfused code (``fuse``).
 
+With ``fuse_activation=True`` it also fuses each activation module that directly follows
+a normkit BatchNorm -- ``nn.Sequential`` neighbours, and ``y = self.bn(x); y =
+self.relu(y)`` in a forward -- into the BatchNorm (``activation``), where the activation
+module is used nowhere else or its one call can be dropped from the forward
+(``activation``).
+
 ``revert`` undoes each: swapped modules are rebuilt as the original class around the same
 tensors, routed and fused ones get their class back.
 """
@@ -37,7 +43,7 @@ import warnings
 from torch import nn
 
 import normkit.nn as nknn
-from normkit.conversion import emulate, fuse, llm, route, swap
+from normkit.conversion import activation, emulate, fuse, llm, route, swap
 from normkit.conversion.classes import qualified
 from normkit.conversion.report import ConversionReport
 
@@ -67,7 +73,8 @@ def _convert_one(name, module, report):
     kind = type(module)
     pairs = swap.table()
     found = swap.torch_base(kind, pairs)
-    if route.is_routed(module) or fuse.is_fused(module) or isinstance(module, _NORMKIT_BASES):
+    if route.is_routed(module) or fuse.is_fused(module) or activation.is_fused(module) or \
+            isinstance(module, (_NORMKIT_BASES, activation.FusedActivation)):
         return None
     if found is not None:
         src, dst, args = found
@@ -134,6 +141,12 @@ def _revert_one(name, module, report):
     if fuse.is_fused(module):
         report.fused.append((name, qualified(kind), f"class {fuse.unfuse(module)} restored"))
         return None
+    if activation.is_fused(module):
+        report.activations_fused.append((name, qualified(kind),
+                                         f"class {activation.unfuse(module)} restored"))
+        return None
+    if isinstance(module, activation.FusedActivation):       # (listed as swapped back)
+        return module.original
     if route.is_routed(module):
         report.routed.append((name, qualified(kind), f"class {route.unroute(module)} restored"))
         return None
@@ -144,6 +157,12 @@ def _revert_one(name, module, report):
     if source is not None:
         return swap.revert_subclass(module, [(s, d, a) for d, s, a in pairs])
     exact = {src: (dst, args) for src, dst, args in pairs}
+    if getattr(module, "activation", None) is not None and \
+            not module.__dict__.get("_normkit_fused_activation"):
+        report.left.append((name, qualified(kind), (
+            f"it applies activation={module.activation!r}, set on the layer itself, which "
+            f"torch's {kind.__name__} has no place for; set activation=None first")))
+        return None
     if kind in exact:
         dst, args = exact[kind]
         try:
@@ -187,7 +206,8 @@ def _fuse_residual(report):
             report.fused.append((name, kind, f"{add}, then {attr} -> {op}"))
 
 
-def convert(model: nn.Module, *, fuse_residual: bool = False) -> ConversionReport:
+def convert(model: nn.Module, *, fuse_residual: bool = False,
+            fuse_activation: bool = False) -> ConversionReport:
     """Run every normalization in ``model`` on normkit, in place: swap torch.nn norm
     layers (and their plain subclasses, and language models' RMSNorm classes) for normkit
     layers, route the norm calls of subclasses with their own forward; report the rest.
@@ -197,6 +217,12 @@ def convert(model: nn.Module, *, fuse_residual: bool = False) -> ConversionRepor
     ``self.norm(a + b)``) into ``add_rms_norm`` / ``add_layer_norm``, where that equals the
     unfused code (see ``normkit.conversion.fuse``); ``report.fused`` lists each fused add,
     ``report.unfused`` the modules with normkit norms where none was, and why.
+
+    ``fuse_activation=True`` also gives each converted BatchNorm the activation module
+    right after it (``nn.Sequential`` neighbours; ``y = self.bn(x); y = self.act(y)`` in a
+    forward): ReLU, ReLU6, LeakyReLU or SiLU, applied in the BatchNorm's own call (see
+    ``normkit.conversion.activation``); ``report.activations_fused`` lists each pair,
+    ``report.activations_left`` the pairs left, and why.
 
     Returns a ``ConversionReport``; ``report.model`` is the converted model (``model``
     itself unless ``model`` is a single normalization layer).
@@ -211,12 +237,14 @@ def convert(model: nn.Module, *, fuse_residual: bool = False) -> ConversionRepor
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}; "
                         f"pass the model itself")
-    if not isinstance(fuse_residual, bool):
-        raise TypeError(f"convert expects fuse_residual to be True or False, got "
-                        f"{fuse_residual!r}")
+    for flag, value in (("fuse_residual", fuse_residual), ("fuse_activation", fuse_activation)):
+        if not isinstance(value, bool):
+            raise TypeError(f"convert expects {flag} to be True or False, got {value!r}")
     report = _walk(model, _convert_one)
     if fuse_residual:
         _fuse_residual(report)
+    if fuse_activation:
+        activation.fuse_activations(report)
     if (report.swapped or report.routed) and _on_cuda(report.model):
         warnings.warn(
             "normkit.convert: this model is on CUDA, where each normkit norm call is bound "

@@ -250,9 +250,10 @@ def _chain(fn):
     return chain
 
 
-def _compiled(inner, norms):
-    """The fused version of the plain function ``inner`` and its sites ``("a + b", norm
-    attribute)`` in source order, or the reason there is none."""
+def _compiled(inner, rewrite):
+    """``(new, sites)``: the plain function ``inner`` with its syntax tree changed by
+    ``rewrite(fn_def, self_name) -> sites`` (a non-empty list, or the reason there is
+    nothing to change: a str), or the reason there is none."""
     if inner.__code__.co_freevars:
         return f"its forward is a closure (free variables {inner.__code__.co_freevars})"
     try:
@@ -265,17 +266,9 @@ def _compiled(inner, norms):
         return "the source of its forward is not a plain def"
     if not fn_def.args.posonlyargs + fn_def.args.args:
         return "its forward names no self argument"
-    found, misses = _windows(fn_def, norms)
-    self_name = (fn_def.args.posonlyargs + fn_def.args.args)[0].arg
-    sites = [(block[i].lineno, f"{a} + {b}", attr) for block, i, _, _, a, b, _, attr in found]
-    _rewrite(found, self_name)
-    post = _PostNorm(self_name, norms)
-    fn_def.body = [post.visit(stmt) for stmt in fn_def.body]
-    sites = sorted(sites + post.sites)
-    if not sites:
-        return "; ".join(misses) if misses else (
-            "no residual add directly before a norm call (`h = a + b; r = h; "
-            "y = self.norm(h)` or `self.norm(a + b)`) in its forward")
+    sites = rewrite(fn_def, (fn_def.args.posonlyargs + fn_def.args.args)[0].arg)
+    if isinstance(sites, str):
+        return sites
     fn_def.decorator_list = []
     for arg in fn_def.args.posonlyargs + fn_def.args.args + fn_def.args.kwonlyargs + \
             [fn_def.args.vararg, fn_def.args.kwarg]:
@@ -292,7 +285,26 @@ def _compiled(inner, norms):
     new.__annotations__ = dict(inner.__annotations__)
     new.__qualname__, new.__doc__, new.__module__ = inner.__qualname__, inner.__doc__, \
         inner.__module__
-    return new, [site[1:] for site in sites]
+    return new, sites
+
+
+def _residual_rewrite(norms):
+    """The rewrite of ``_compiled`` that fuses the adds before the norms ``norms``; its
+    sites ``("a + b", norm attribute)`` in source order."""
+    def rewrite(fn_def, self_name):
+        found, misses = _windows(fn_def, norms)
+        sites = [(block[i].lineno, f"{a} + {b}", attr)
+                 for block, i, _, _, a, b, _, attr in found]
+        _rewrite(found, self_name)
+        post = _PostNorm(self_name, norms)
+        fn_def.body = [post.visit(stmt) for stmt in fn_def.body]
+        sites = sorted(sites + post.sites)
+        if not sites:
+            return "; ".join(misses) if misses else (
+                "no residual add directly before a norm call (`h = a + b; r = h; "
+                "y = self.norm(h)` or `self.norm(a + b)`) in its forward")
+        return [site[1:] for site in sites]
+    return rewrite
 
 
 def _rewrapped(wrapper, old, new):
@@ -317,14 +329,15 @@ def _rewrapped(wrapper, old, new):
     return rebuilt
 
 
-def _fused_forward(kind, norms):
-    """``(forward, sites)`` for instances of ``kind`` whose children ``norms`` are normkit
-    norms (a site: ``("a + b", norm attribute)``), or the reason there is none."""
+def rewritten_forward(kind, rewrite):
+    """``(forward, sites)``: ``kind.forward`` with its source rewritten by ``rewrite`` (see
+    ``_compiled``; decorators that keep it in their closure rebuilt around it), or the
+    reason there is none. Shared with ``normkit.conversion.activation``."""
     forward = kind.forward
     if not isinstance(forward, types.FunctionType):
         return "its forward is not a Python function"
     chain = _chain(forward)
-    result = _compiled(chain[-1], norms)
+    result = _compiled(chain[-1], rewrite)
     if isinstance(result, str):
         return result
     new, sites = result
@@ -356,7 +369,7 @@ def fuse(module, norms):
         return "its forward is set on the instance"
     kind, norms = type(module), frozenset(norms)
     if (kind, norms) not in _FORWARDS:              # parsed and compiled once per class
-        _FORWARDS[kind, norms] = _fused_forward(kind, norms)
+        _FORWARDS[kind, norms] = rewritten_forward(kind, _residual_rewrite(norms))
     result = _FORWARDS[kind, norms]
     if isinstance(result, str):
         return result

@@ -30,6 +30,13 @@ class ConversionReport:
     unfused : list of (name, type name, reason)
         With ``fuse_residual=True``: modules with normkit norm children in which no add
         was fused, with the reason.
+    activations_fused : list of (name, type name, how)
+        With ``fuse_activation=True``: one entry per BatchNorm that now applies the
+        activation after it (the module whose forward or ``nn.Sequential`` holds the
+        pair; ``revert``: one per module or activation given back).
+    activations_left : list of (name, type name, reason)
+        With ``fuse_activation=True``: the BatchNorm-then-activation pairs found but left
+        unfused, with the reason.
     """
 
     model: nn.Module
@@ -38,6 +45,8 @@ class ConversionReport:
     left: list = field(default_factory=list)
     fused: list = field(default_factory=list)
     unfused: list = field(default_factory=list)
+    activations_fused: list = field(default_factory=list)
+    activations_left: list = field(default_factory=list)
 
     @property
     def skipped(self) -> list:
@@ -49,9 +58,16 @@ class ConversionReport:
                  f"left {len(self.left)}"]
         if self.fused or self.unfused:
             lines[0] += f", fused {len(self.fused)} residual add(s), unfused {len(self.unfused)}"
+        if self.activations_fused or self.activations_left:
+            lines[0] += (f", fused {len(self.activations_fused)} activation(s), left "
+                         f"{len(self.activations_left)} pair(s)")
         lines += [f"  swapped {n or '<root>'}: {a} -> {b}" for n, a, b in self.swapped]
         lines += [f"  routed {n or '<root>'} ({t}): {how}" for n, t, how in self.routed]
         lines += [f"  left {n or '<root>'} ({t}): {why}" for n, t, why in self.left]
         lines += [f"  fused {n or '<root>'} ({t}): {how}" for n, t, how in self.fused]
         lines += [f"  unfused {n or '<root>'} ({t}): {why}" for n, t, why in self.unfused]
+        lines += [f"  activation fused {n or '<root>'} ({t}): {how}"
+                  for n, t, how in self.activations_fused]
+        lines += [f"  activation left {n or '<root>'} ({t}): {why}"
+                  for n, t, why in self.activations_left]
         return "\n".join(lines)

@@ -103,7 +103,7 @@ def _sync_forward(x, weight, bias, running_mean, running_var, eps, momentum, pro
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=process_group)
         return (s.view(grouping.stat_shape) / n for s in sums.chunk(2))
 
-    return NormFunction.apply(x, weight, bias, (grouping, eps, True, mean, rstd, [],
+    return NormFunction.apply(x, weight, bias, (grouping, eps, True, mean, rstd, [], None,
                                                 global_means))
 
 

@@ -7,6 +7,7 @@ import torch
 from normkit import backends, ops
 from normkit import functional as F
 from normkit import grouping as G
+from normkit.activation import resolve
 from normkit.nn._base import NormBase
 from normkit.nn._kept import KeptPlan
 
@@ -16,6 +17,51 @@ __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
 class _BatchNorm(KeptPlan, NormBase):
     _accepted_dims: tuple = ()
     _rows_of_channels = True
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, device=None, dtype=None, *, bias=True,
+                 activation=None, negative_slope=0.01):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device,
+                         dtype, bias=bias)
+        self._act = resolve(activation, negative_slope, type(self).__name__)
+        self._negative_slope = negative_slope
+
+    # the activation applied in the layer's own call (normkit.activation): set by the
+    # constructor, by normkit.convert when it fuses a following activation module, or by
+    # hand; changing it drops the kept plans (the plan applies it)
+    @property
+    def activation(self):
+        """The fused activation's name (``"relu"``, ``"relu6"``, ``"leaky_relu"``,
+        ``"silu"``), or None."""
+        act = self.__dict__.get("_act")
+        return None if act is None else act.name
+
+    @activation.setter
+    def activation(self, value):
+        self._act = resolve(value, self.negative_slope, type(self).__name__)
+        self._drop_plans()
+
+    @property
+    def negative_slope(self) -> float:
+        """``leaky_relu``'s slope for negative inputs (torch's default 0.01)."""
+        return self.__dict__.get("_negative_slope", 0.01)
+
+    @negative_slope.setter
+    def negative_slope(self, value):
+        self._act = resolve(self.activation, value, type(self).__name__)
+        self._negative_slope = value
+        self._drop_plans()
+
+    def _drop_plans(self):
+        for slot in ("_train_plan", "_eval_plan"):
+            self.__dict__.pop(slot, None)
+
+    def extra_repr(self) -> str:
+        act = self.__dict__.get("_act")
+        if act is None:
+            return super().extra_repr()
+        slope = f", negative_slope={act.slope}" if act.name == "leaky_relu" else ""
+        return f"{super().extra_repr()}, activation={act.name!r}{slope}"
 
     def _check_input_dim(self, input) -> None:
         if input.dim() not in self._accepted_dims:
@@ -33,7 +79,8 @@ class _BatchNorm(KeptPlan, NormBase):
         n = grouping.group_size
         # (none for channels_last strides that do not view as (N, C, S))
         viewable = G.view_strides(x.shape, x.stride(), grouping.view) is not None
-        plan = backends.plan(x, grouping, True, fixed) if n > 1 and viewable else None
+        plan = (backends.plan(x, grouping, True, fixed, self.__dict__.get("_act"))
+                if n > 1 and viewable else None)
         return plan, n / (n - 1) if n > 1 else 0.0
 
     def _own_tensors(self):
@@ -99,6 +146,12 @@ class _BatchNorm(KeptPlan, NormBase):
         # batch statistics in training, and in eval when there are no running statistics
         use_batch_stats = self.training or (running_mean is None and running_var is None)
         track = not self.training or self.track_running_stats
+        act = self.__dict__.get("_act")
+        if act is not None:
+            return F.batch_norm_act(input, running_mean if track else None,
+                                    running_var if track else None, self.weight, self.bias,
+                                    use_batch_stats, factor, self.eps, activation=act.name,
+                                    negative_slope=act.slope)
         return F.batch_norm(input,
                             running_mean if track else None,
                             running_var if track else None,
@@ -122,6 +175,11 @@ _BN_DOC = r"""Batch normalization over a {ndim}D input ``(N, C{spatial})`` (Ioff
         affine: learnable per-channel weight (init 1) and bias (init 0). Default: True.
         track_running_stats: keep running estimates for eval. Default: True.
         bias: with ``affine``, whether to learn the bias (keyword-only). Default: True.
+        activation: ``"relu"``, ``"relu6"``, ``"leaky_relu"`` or ``"silu"`` applied to the
+            output in the same call (keyword-only; ``normkit.functional.batch_norm_act``'s
+            ``activation``); ``normkit.convert(model, fuse_activation=True)`` sets it where
+            an activation module follows. Default: None.
+        negative_slope: ``leaky_relu``'s slope (keyword-only). Default: 0.01.
 
     Shape:
         Input and output: ``{shape}`` (same shape, dtype and memory format).

@@ -522,7 +522,7 @@ tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const T
                         std::array<bool, 3> needs) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("normkit::norm_backward", "");
   torch::jit::Stack stack;
-  stack.reserve(13);
+  stack.reserve(16);
   stack.emplace_back(g.reshape(p.view));
   stack.emplace_back(x.reshape(p.view));
   stack.emplace_back(mean.reshape(p.stat_shape));
@@ -537,6 +537,9 @@ tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const T
   stack.emplace_back(p.center);
   stack.emplace_back(fixed);
   stack.emplace_back(c10::List<bool>({needs[0], needs[1], needs[2]}));
+  stack.emplace_back(c10::IValue());    // bias, activation, negative_slope: no activation
+  stack.emplace_back(c10::IValue());
+  stack.emplace_back(0.0);
   op.callBoxed(&stack);
   return {stack[0].toTensor(), stack[1].toTensor(), stack[2].toTensor()};
 }
