@@ -101,10 +101,14 @@ def test_memory_saving_falls_back_when_a_weight_is_zero():
 @pytest.mark.parametrize("shape", [(5, 37), (300, 257)], ids=str)   # serial; threaded
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("use_h", [True, False], ids=["y_and_h", "y_only"])
-def test_cpu_add_norm_is_one_pass_with_the_bits_of_add_then_norm(op, shape, dtype, use_h):
+def test_cpu_add_norm_is_one_pass_with_the_bits_of_add_then_norm(op, shape, dtype, use_h,
+                                                                  monkeypatch):
     # the executor's one pass (x and r read once, h and y written together; dh = the
     # norm's gradient rounded, plus h's own) gives exactly what x + r followed by
     # normkit's norm gives, forward and backward
+    from normkit.backends.cpu import tuning
+
+    monkeypatch.setattr(tuning, "ONE_PASS_ADD", 0)                # every size in one pass
     g = torch.Generator().manual_seed(0)
     k = shape[-1]
     x, r, gy, gh = (torch.randn(shape, generator=g).to(dtype) for _ in range(4))
@@ -132,7 +136,25 @@ def test_cpu_add_norm_is_one_pass_with_the_bits_of_add_then_norm(op, shape, dtyp
         assert torch.equal(got, want)
 
 
-def test_cpu_add_norm_takes_a_residual_of_other_strides():
+def test_cpu_add_norm_takes_one_pass_from_the_cache_size(monkeypatch):
+    # below tuning.ONE_PASS_ADD (x, r, h and y together) the add and then the norm run,
+    # from it the one pass: the same bits either way
+    from normkit.backends.cpu import tuning
+
+    x, r = torch.randn(64, 256), torch.randn(64, 256)
+    routes = {}
+    for limit in (4 * x.numel() * 4 + 4, 4 * x.numel() * 4):
+        monkeypatch.setattr(tuning, "ONE_PASS_ADD", limit)
+        y, h = NF.add_layer_norm(x.requires_grad_(True), r, (256,))
+        routes[limit] = type(y.grad_fn).__name__
+    below, above = routes.values()
+    assert "AddNorm" not in below and above == "AddNormFunctionBackward", routes
+
+
+def test_cpu_add_norm_takes_a_residual_of_other_strides(monkeypatch):
+    from normkit.backends.cpu import tuning
+
+    monkeypatch.setattr(tuning, "ONE_PASS_ADD", 0)
     x = torch.randn(6, 40)
     r = torch.randn(40, 6).t()                                     # a transposed residual
     y, h = NF.add_layer_norm(x, r, (40,))
@@ -156,8 +178,11 @@ def test_memory_saving_switch():
         x = torch.randn(3, 4, requires_grad=True)
         y, _ = NF.add_rms_norm(x, torch.randn(3, 4), (4,), torch.ones(4))
         assert y.grad_fn is not None and "AddNorm" in type(y.grad_fn).__name__
-        y2, h2 = NF.add_rms_norm(x, torch.randn(3, 4), (4,), torch.ones(4), memory_saving=False)
-        saved = [t.data_ptr() for t in y2.grad_fn.saved_tensors if t is not None]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.data_ptr()),
+                                                      lambda p: None):
+            y2, h2 = NF.add_rms_norm(x, torch.randn(3, 4), (4,), torch.ones(4),
+                                     memory_saving=False)
         assert h2.data_ptr() in saved and y2.data_ptr() not in saved   # the input h, not y
     assert not backends.memory_saving_enabled()
     backends.memory_saving(True)

@@ -193,16 +193,17 @@ class NormFunction(torch.autograd.Function):
 class AddNormFunction(torch.autograd.Function):
     """``(y, h)`` with ``h = x + residual`` and ``y = w * (h - mean) * rstd + b`` over the
     rows of (M, K) views (``center=False``: RMSNorm, mean = 0); ``route = (grouping,
-    backend, plan)`` of those rows (``normkit.ops.add_norm``)."""
+    backend, plan, one_pass)`` of those rows (``normkit.ops.add_norm``)."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, center, memory_saving, route):
-        grouping, backend, plan = route
-        fused = hasattr(backend, "fused_add_forward")
+        grouping, backend, plan, one_pass = route
+        fused = one_pass and hasattr(backend, "fused_add_forward")
+        one_pass = one_pass and not fused
         if fused:
             y, h, mean, rstd = backend.fused_add_forward(x, residual, weight, bias, eps,
                                                          center)
-        elif hasattr(plan, "add_forward"):
+        elif one_pass:
             y, h, mean, rstd = plan.add_forward(x, residual, weight, bias, eps)
         else:
             h = x + residual
@@ -210,6 +211,7 @@ class AddNormFunction(torch.autograd.Function):
         from_y = bool(memory_saving) and (weight is None or not bool((weight == 0).any()))
         ctx.save_for_backward(y if from_y else h, weight, bias, mean, rstd)
         ctx.backend, ctx.plan, ctx.fused, ctx.from_y = backend, plan, fused, from_y
+        ctx.one_pass = one_pass
         ctx.grouping, ctx.center, ctx.eps = grouping, center, eps
         return y, h
 
@@ -230,7 +232,7 @@ class AddNormFunction(torch.autograd.Function):
             dh, dw, db = ctx.backend.fused_add_backward(
                 grad_y, grad_h, saved, mean.reshape(-1), rstd.reshape(-1), weight, bias,
                 ctx.center, ctx.from_y, needs)
-        elif not ctx.from_y and hasattr(ctx.plan, "add_forward"):
+        elif not ctx.from_y and ctx.one_pass:
             dh, dw, db = ctx.plan.backward(grad_y, saved, mean, rstd, weight, needs,
                                            grad_h=grad_h)
             grad_h = None                                          # (added in the pass)

@@ -402,14 +402,17 @@ def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_sav
         xv = x.reshape(grouping.view)                              # M, K
         rows = G.layer(tuple(xv.shape), 1)
         backend, plan = backends.select(xv, rows, center), backends.plan(xv, rows, center)
-        # one pass each way: the plan's add_forward (the CPU executor) or the backend's
-        # fused_add_forward (GPU); the memory-saving backward on any
-        if memory_saving or hasattr(backend, "fused_add_forward") or hasattr(plan,
-                                                                            "add_forward"):
+        # one pass each way where the backend says it pays (add_one_pass: the CPU
+        # executor's plan.add_forward, the GPU's fused_add_forward); the memory-saving
+        # backward on any
+        one_pass = getattr(backend, "add_one_pass", None)
+        one_pass = one_pass is not None and one_pass(xv)
+        if memory_saving or one_pass:
             w = None if weight is None else weight.reshape(-1)
             b = None if bias is None else bias.reshape(-1)
             y, h = AddNormFunction.apply(xv, residual.reshape(grouping.view), w, b, eps,
-                                         center, bool(memory_saving), (rows, backend, plan))
+                                         center, bool(memory_saving),
+                                         (rows, backend, plan, one_pass))
             if y.shape != x.shape:
                 y, h = y.view(x.shape), h.view(x.shape)
             return y, h

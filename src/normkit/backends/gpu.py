@@ -218,6 +218,12 @@ def rows_backward(grad, grad_h, saved, mean, rstd, weight, bias, center, from_y,
     return (dx if needs[0] else None), (dw if needs[1] else None), (db if needs[2] else None)
 
 
+def add_one_pass(x) -> bool:
+    """The residual-add norms run in one kernel each way on every input this backend
+    takes (``normkit.ops.add_norm``)."""
+    return True
+
+
 def fused_add_forward(x, residual, weight, bias, eps, center):
     """``(y, h, mean, rstd)``: ``h = x + residual`` and its LayerNorm/RMSNorm, one pass."""
     y, h, mean, rstd, _ = rows_forward(x, residual, weight, bias, eps, center)
@@ -379,5 +385,6 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     return dx, (None if dw is None else dw.view(pshape)), (None if db is None else db.view(pshape))
 
 
-__all__ = ["supports", "forward", "backward", "fused_add_forward", "fused_add_backward",
+__all__ = ["supports", "forward", "backward", "add_one_pass", "fused_add_forward",
+           "fused_add_backward",
            "rows_forward", "rows_backward"]

@@ -40,7 +40,7 @@ import torch
 
 import normkit.backends as dispatch
 from normkit.backends import fused_kernels_cover
-from normkit.backends.cpu import _cache
+from normkit.backends.cpu import _cache, tuning
 from normkit.grouping import view_strides
 
 _cache.check_package_cache()    # before any kernel is loaded from the cache
@@ -48,7 +48,7 @@ _cache.check_package_cache()    # before any kernel is loaded from the cache
 from normkit.backends.cpu import native  # noqa: E402
 from normkit.backends.cpu.plans import FAMILIES  # noqa: E402
 
-__all__ = ["backward", "forward", "plan", "supports", "update_running"]
+__all__ = ["add_one_pass", "backward", "forward", "plan", "supports", "update_running"]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -95,6 +95,14 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
 def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     return dispatch.plan(x, grouping, center, fixed).backward(grad, x, mean, rstd, weight,
                                                               needs)
+
+
+def add_one_pass(x) -> bool:
+    """Whether ``add_layer_norm`` / ``add_rms_norm`` of the (M, K) rows ``x`` (``supports``
+    true) take the plan's one pass (``add_forward``): where x, the residual, h and y
+    together outrun the last-level cache (``tuning.ONE_PASS_ADD``); below, the add and then
+    the norm, the same bits."""
+    return 4 * x.numel() * x.element_size() >= tuning.ONE_PASS_ADD
 
 
 def update_running(running_mean, running_var, mean, var, momentum, unbias) -> bool:

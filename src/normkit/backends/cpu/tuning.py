@@ -75,6 +75,15 @@ def stream_bytes(itemsize) -> int:
     return STREAM_BYTES if itemsize >= 4 else 0
 
 
+#: bytes of x, the residual, h and y together from which the residual-add norms take the
+#: rows kernels' one pass (h written and normalized from L1: one pass over memory fewer)
+#: instead of torch's add and then the norm. Below the last-level cache the pass saves
+#: nothing and its calls cost more Python (an autograd Function; 20-40 us on small rows);
+#: at (8192, 768) fp32, four times 25 MB, it took 0.72 (forward) and 0.86 (with backward)
+#: of the add and then the norm (docs/performance.md)
+ONE_PASS_ADD = STREAM_BYTES
+
+
 # ---- prefetching ahead (rows and NCHW planes) -------------------------------------------
 
 #: bytes: how far ahead the rows and planes kernels prefetch while writing an output. A
