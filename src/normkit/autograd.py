@@ -200,7 +200,8 @@ def _cast_forward(ctx, x, weight, bias, grouping, eps, center, stats):
     stats += (mean, rstd, var)
     ctx.save_for_backward(x, weight, mean if center else None, rstd)
     ctx.grouping, ctx.eps, ctx.center = grouping, eps, center
-    ctx.bias = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device="meta")
+    ctx.bias = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype,
+                                                     device="meta")      # (shape, dtype)
     return scale_and_cast(x_hat, x.dtype, weight, offset, casting, bias)
 
 

@@ -59,9 +59,9 @@ from normkit.autograd import (AddNormFunction, NormFunction, _grouping, grouping
 from normkit.backends import torch_ops
 from normkit.rms_casting import kernel_dtype, scale_and_cast
 
-__all__ = ["add_norm", "apply_norm", "cast_norm", "run", "norm_forward", "norm_backward", "grouping_args",
-           "decompositions", "tracing",
-           "decomposing", "compile_decomposed", "NormFunction"]
+__all__ = ["add_norm", "apply_norm", "cast_norm", "run", "norm_forward", "norm_backward",
+           "grouping_args", "decompositions", "tracing", "decomposing", "compile_decomposed",
+           "NormFunction"]
 
 _lib = torch.library.Library("normkit", "DEF")
 
