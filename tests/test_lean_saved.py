@@ -224,3 +224,23 @@ def test_converted_llama_trains_under_compile_as_in_eager():
         grads.append([p.grad.float() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2 * float(a.abs().max()) + 1e-6)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("shape", [(5, 17), (7, 123), (64, 1000), (1024, 512), (33, 4096)])
+def test_half_kernel_is_the_fp32_kernel_then_the_cast(shape, dtype):
+    # what rms_casting.kernel_dtype relies on: the kernel loads a half input into fp32 and
+    # rounds once, so its output and its backward are the fp32 kernel's, then cast
+    from normkit import backends
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 3 + 0.5).to(dtype)
+    g = torch.randn(shape, generator=gen).to(dtype)
+    grouping = G.layer(shape, 1)
+    half, full = (backends.plan(t, grouping, False, False) for t in (x, x.float()))
+    y, mean, rstd, _ = half.forward(x, None, None, 1e-6)
+    y32, mean32, rstd32, _ = full.forward(x.float(), None, None, 1e-6)
+    assert torch.equal(rstd, rstd32) and torch.equal(y, y32.to(dtype))
+    dx = half.backward(g, x, mean, rstd, None, (True, False, False))[0]
+    dx32 = full.backward(g.float(), x.float(), mean32, rstd32, None, (True, False, False))[0]
+    assert torch.equal(dx, dx32.to(dtype))
