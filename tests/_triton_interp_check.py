@@ -288,9 +288,43 @@ def check_public(op, shape, dtype, layout="contiguous"):
         close(rv, trv.double(), dtype, "running_var")
 
 
+def check_cast(casting, offset, shape, dtype):
+    """``rms_norm`` with a model's casting rule through the dispatch (GPU backend,
+    interpreted: the one op that saves ``x`` in its own dtype) vs the model's code in torch
+    ops: values and gradients."""
+    import normkit.functional as NF
+
+    x, gen = _data(shape, dtype, 4)
+    c = shape[-1]
+    w = (torch.randn(c, generator=gen) * 0.5).to(dtype).requires_grad_(True)
+
+    def model(xi, w):                     # LlamaRMSNorm's / GemmaRMSNorm's forward
+        h = xi.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if casting == "gemma":
+            return (h * (offset + w.float())).to(dtype)
+        return (offset + w) * h.to(dtype)
+
+    runs = []
+    for fn in (lambda xi, w: NF.rms_norm(xi, (c,), w, 1e-6, offset=offset, casting=casting),
+               model):
+        xi = x.clone().requires_grad_(True)
+        y = fn(xi, w)
+        gy = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+        runs.append((y, torch.autograd.grad((y.double() * gy.double()).sum(), (xi, w))))
+    (y, gr), (ty, tgr) = runs
+    close(y, ty.double(), dtype, "y")
+    for name, a, e in zip(("dx", "dweight"), gr, tgr):
+        close(a, e.double(), dtype, name, grad=True)
+
+
 def cases_dispatch():
     f32, bf16 = torch.float32, torch.bfloat16
     return [
+        ("rms_norm casting llama 5x130 bf16", False,
+         lambda: check_cast("llama", 0.0, (5, 130), bf16)),
+        ("rms_norm casting gemma offset 1 5x130 bf16", False,
+         lambda: check_cast("gemma", 1.0, (5, 130), bf16)),
         ("batch_norm 2x3x5x5 fp32 training, running stats", False,
          lambda: check_public("batch_norm", (2, 3, 5, 5), f32)),
         ("batch_norm 2x3x5x5 bf16 channels_last training", False,

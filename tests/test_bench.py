@@ -42,3 +42,65 @@ def test_bench_quick_json(capsys):
     assert f"{r['normkit_over_torch']:.2f}" in lines[2]
     text = bench_table.summary([report])
     assert "layer_norm" in text and "targets" in text
+
+
+# --- bytes saved for backward (normkit bench --models) ------------------------------------
+
+def _saved_bytes(model, x):
+    from normkit.bench.models import saved_bytes
+
+    return saved_bytes(model, x)
+
+
+def test_saved_bytes_counts_a_storage_once_and_leaves_the_parameters_out():
+    torch = pytest.importorskip("torch")
+
+    class Square(torch.nn.Module):        # x * x saves x twice; x.t() is a view of it
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            h = x * self.weight                    # saves x and the weight (a parameter)
+            return h * h + h.t() @ h               # h saved four times, twice as a view
+
+    x = torch.randn(8, 8, requires_grad=True)
+    # x, h and the output (the loss squares it): 256 bytes each, once; not the weight
+    assert _saved_bytes(Square(), x) == 3 * 8 * 8 * 4
+
+
+def test_saved_bytes_sees_a_model_that_saves_an_extra_tensor():
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self, extra):
+            super().__init__()
+            self.lin, self.extra = torch.nn.Linear(16, 32), extra
+
+        def forward(self, x):
+            y = self.lin(x)                        # saves x
+            y = y.sin() if self.extra else y       # sin saves its input: 5 x 32 floats more
+            return y
+
+    x = torch.randn(5, 16)
+    plain, extra = Net(False), Net(True)
+    # the loss (_output: the mean of the squares) saves the output it squares
+    assert _saved_bytes(plain, x) == (5 * 16 + 5 * 32) * 4
+    assert _saved_bytes(extra, x) - _saved_bytes(plain, x) == 5 * 32 * 4
+
+
+def test_train_rows_report_saved_bytes_of_both_models(monkeypatch):
+    pytest.importorskip("torch")
+    from normkit.bench import models
+
+    monkeypatch.setattr(models, "_time_steps", lambda fn, model, opt, x, steps: 1e-3)
+    train = models.measure_model("study-cnn-b2", "train", repeats=1)
+    infer = models.measure_model("study-cnn-b2", "infer", repeats=1)
+    assert train["untouched_saved_bytes"] > 0 and train["converted_saved_bytes"] > 0
+    assert train["saved_ratio"] == pytest.approx(train["converted_saved_bytes"] /
+                                                 train["untouched_saved_bytes"])
+    assert infer["saved_ratio"] is None
+    lines = models.format_models([train, infer]).splitlines()
+    assert "saved MiB" in lines[0]
+    assert f"{train['saved_ratio']:6.3f}" in lines[1]
+    assert len(lines[2].split()) == len(lines[1].split()) - 3     # infer: no saved columns

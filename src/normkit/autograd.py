@@ -14,6 +14,17 @@ the statistics recomputed from the saved input by differentiable ops, so autogra
 differentiates the hand-derived formula, including its dependence on ``x`` through
 ``mean`` and ``rstd``.
 
+With ``cast`` in its arguments (``normkit.ops.cast_norm``) ``NormFunction`` runs a
+model's norm with its casting rule (``normkit.rms_casting``: Llama's cast then multiply,
+Gemma's ``(1 + w)`` in fp32) in one op: the kernel normalizes ``x`` without a weight (in
+fp32, or in ``x``'s own dtype where its output is already the rule's cast), the rule's
+torch ops run inside the Function, and only ``x`` in its own dtype, the fp32 ``rstd``
+(``mean`` too where centered) and the weight are saved, where the composed ops keep an
+fp32 copy of ``x`` and ``x_hat`` besides. The backward recomputes ``x_hat`` with the
+forward's kernel for the weight's gradient, runs the rule's gradient
+(``rms_casting.scale_and_cast_backward``: the ops autograd would run) and the kernel's
+backward: the composed ops' gradients bit for bit.
+
 ``AddNormFunction`` (residual add fused with LayerNorm / RMSNorm: ``h = x + residual``,
 ``y = norm(h)``; the pre-norm transformer block computes both, and fused, the sum is
 written once and read zero extra times) returns ``(y, h)`` and takes gradients from both
@@ -52,6 +63,7 @@ from normkit import backends
 from normkit import grouping as G
 from normkit.activation import Activation
 from normkit.backends import torch_ops
+from normkit.rms_casting import scale_and_cast, scale_and_cast_backward
 
 __all__ = ["NormFunction", "AddNormFunction", "grouping_args", "activation_args",
            "as_activation", "plain_eager", "view_as"]
@@ -107,9 +119,8 @@ class NormFunction(torch.autograd.Function):
     ``mean`` and ``rstd`` -- ``xhat`` is recomputed -- and runs ``norm_backward``.
 
     ``apply(x, weight, bias, (grouping, eps, center, mean, rstd, stats[, act[,
-    reduce_sums]]))`` returns ``y`` in ``x``'s shape; the statistics ``(mean, rstd, var)``, never
-    differentiable, are
-    appended to the list ``stats`` (one output instead of four, and the arguments that
+    reduce_sums[, cast]]]))`` returns ``y`` in ``x``'s shape; the statistics ``(mean, rstd,
+    var)``, never differentiable, are appended to the list ``stats`` (one output instead of four, and the arguments that
     take no gradient in one tuple: each argument and output of an ``autograd.Function``
     costs a fraction of a microsecond to a few per call, a noticeable share on a small
     tensor). ``x`` may come in any shape with the view's number of elements: the view is
@@ -127,6 +138,9 @@ class NormFunction(torch.autograd.Function):
     batch statistics of every rank, given, and the backward differentiates through them
     with its two reductions summed over the ranks by ``reduce_sums(sum_g, sum_gx) ->
     (c_mean, c_var)`` (the composite backward; not differentiable twice).
+
+    ``cast = (casting, offset, kernel_dtype)`` (eager mode only, contiguous ``x``, batch
+    statistics): the model's norm with its casting rule (module docstring).
     """
 
     @staticmethod
@@ -135,8 +149,11 @@ class NormFunction(torch.autograd.Function):
         fixed = mean is not None
         act = more[0] if more else None
         ctx.reduce_sums = more[1] if len(more) > 1 else None
+        ctx.cast = more[2] if len(more) > 2 else None
         ctx.act = act
         ctx.plan = None
+        if ctx.cast is not None:
+            return _cast_forward(ctx, x, weight, bias, grouping, eps, center, stats)
         shape = x.shape
         eager = plain_eager(x)
         # a contiguous input goes to the plan in its own shape (the kernels see only its
@@ -162,6 +179,8 @@ class NormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        if ctx.cast is not None:
+            return _cast_backward(ctx, grad_y)
         x, weight, mean, rstd, bias = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         plan = ctx.plan if not torch.is_grad_enabled() and plain_eager(grad_y) else None
@@ -188,6 +207,60 @@ class NormFunction(torch.autograd.Function):
         dw = _to_param(dw, weight.shape, weight.dtype, grouping) if needs[1] else None
         db = _to_param(db, *ctx.bias_meta, grouping) if needs[2] else None
         return dx, dw, db, None
+
+
+def _cast_forward(ctx, x, weight, bias, grouping, eps, center, stats):
+    """``NormFunction.forward`` with a casting rule: ``x_hat`` by the plan of ``x`` in the
+    kernel dtype, without a weight, then the rule. Saves ``x``, the weight, ``rstd`` and
+    (centered only: RMSNorm's is 0) ``mean``."""
+    casting, offset, kdtype = ctx.cast
+    xn = x.to(kdtype)                         # (an fp32 copy where the rule needs one: not kept)
+    ctx.plan = backends.plan(xn, grouping, center, False)
+    x_hat, mean, rstd, var = ctx.plan.forward(xn, None, None, eps)
+    stats += (mean, rstd, var)
+    ctx.save_for_backward(x, weight, mean if center else None, rstd)
+    ctx.grouping, ctx.eps, ctx.center = grouping, eps, center
+    ctx.bias = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype,
+                                                     device="meta")      # (shape, dtype)
+    return scale_and_cast(x_hat, x.dtype, weight, offset, casting, bias)
+
+
+def _cast_backward(ctx, grad_y):
+    """``NormFunction.backward`` with a casting rule: ``x_hat`` recomputed by the forward's
+    plan (the same bits) where the weight's gradient needs it, the rule's gradient, then
+    the kernel's backward of ``x_hat``. Differentiated itself (``create_graph``) or
+    intercepted, the same through the registered operators, which recompute the
+    statistics from ``x`` with differentiable ops."""
+    x, weight, mean, rstd = ctx.saved_tensors
+    casting, offset, kdtype = ctx.cast
+    grouping, eps, center = ctx.grouping, ctx.eps, ctx.center
+    needs = ctx.needs_input_grad[:3]
+    if mean is None:
+        mean = torch.zeros_like(rstd)
+    xn = x.to(kdtype)
+    direct = not torch.is_grad_enabled() and plain_eager(grad_y)
+    x_hat = None
+    if needs[1] and weight is not None:
+        if direct:
+            x_hat = ctx.plan.forward(xn, None, None, eps, None, None, False)[0]
+        else:
+            x_hat = torch.ops.normkit.norm_forward.default(
+                xn.reshape(grouping.view), None, None, *grouping_args(grouping), eps,
+                center)[0].reshape(x.shape)
+    d_xhat, dw, db = scale_and_cast_backward(grad_y, x_hat, kdtype, x.dtype, weight, ctx.bias,
+                                             offset, casting, needs)
+    dx = None
+    if needs[0]:
+        if direct:
+            dxn = ctx.plan.backward(d_xhat.contiguous(), xn, mean, rstd, None,
+                                    (True, False, False))[0]
+        else:
+            dxn = torch.ops.normkit.norm_backward.default(
+                d_xhat.reshape(grouping.view), xn.reshape(grouping.view), mean, rstd, None,
+                *grouping_args(grouping), eps, center, False,
+                [True, False, False])[0].reshape(x.shape)
+        dx = dxn.to(x.dtype)
+    return dx, dw, db, None
 
 
 class AddNormFunction(torch.autograd.Function):

@@ -20,10 +20,10 @@ import torch
 from normkit import backends, ops
 from normkit import grouping as G
 from normkit.activation import resolve
-from normkit.ops import add_norm, apply_norm
+from normkit.ops import add_norm, apply_norm, cast_norm
 from normkit.backends import torch_ops
 from normkit.backends.torch_ops import stat_dtype
-from normkit.rms_casting import check_casting, normalize_dtype, scale_and_cast
+from normkit.rms_casting import check_casting, normalize_dtype
 
 __all__ = ["batch_norm", "batch_norm_act", "layer_norm", "group_norm", "instance_norm", "rms_norm", "normalize",
            "batch_renorm", "add_layer_norm", "add_rms_norm"]
@@ -305,10 +305,8 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, cast
             input.device.type) else input.dtype).eps
     check_casting(casting, offset, weight)
     if casting != "torch":                       # normalize as the model does, then its cast
-        x = input.to(normalize_dtype(input, casting))
-        x_hat = apply_norm(x, _layer(x.shape, len(shape)), None, None, eps, False,
-                           keep_stats=False)[0]
-        return scale_and_cast(x_hat, input.dtype, weight, offset, casting)
+        return cast_norm(input, _layer(input.shape, len(shape)), weight, None, eps, False,
+                         casting, offset, normalize_dtype(input, casting))
     if offset:
         weight = offset + weight
     return apply_norm(input, _layer(input.shape, len(shape)), weight, None, eps, False,

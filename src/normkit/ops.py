@@ -57,10 +57,11 @@ from normkit import grouping as G
 from normkit.autograd import (AddNormFunction, NormFunction, _grouping, activation_args,
                               as_activation, grouping_args, plain_eager)
 from normkit.backends import torch_ops
+from normkit.rms_casting import kernel_dtype, scale_and_cast
 
-__all__ = ["add_norm", "apply_norm", "run", "norm_forward", "norm_backward", "grouping_args",
-           "decompositions", "tracing",
-           "decomposing", "compile_decomposed", "NormFunction"]
+__all__ = ["add_norm", "apply_norm", "cast_norm", "run", "norm_forward", "norm_backward",
+           "grouping_args", "decompositions", "tracing", "decomposing", "compile_decomposed",
+           "NormFunction"]
 
 _lib = torch.library.Library("normkit", "DEF")
 
@@ -264,9 +265,7 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     In plain eager mode (``plain_eager``) this skips the dispatcher's two Python hops
     and runs the plan of the input (``run``); traced, it is the operator call on the
     view."""
-    if (not torch.compiler.is_compiling() and type(x) is torch.Tensor
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._is_any_autocast_enabled()):    # autocast: normkit.autocast
+    if _eager(x):
         # the plan of x itself: contiguous, or channels_last (the plan of its view, whose
         # C++ plan reads any shape of that memory); other strides as the view, copied
         # where no view can express them (a permuted LayerNorm input: ConvNeXt's blocks)
@@ -282,6 +281,15 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
     y, *stats = _forward_op(x.reshape(grouping.view), weight, bias, *grouping_args(grouping),
                             eps, center, mean, rstd, *activation_args(act))
     return (y.reshape(x.shape), *stats)
+
+
+def _eager(x) -> bool:
+    """Whether a call runs its plan directly (``run``): plain eager mode, a plain tensor,
+    no dispatch mode and no autocast (under autocast the operators' dtypes apply:
+    ``normkit.autocast``)."""
+    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_any_autocast_enabled())
 
 
 def _rows_of_channels_view(x, grouping):
@@ -389,6 +397,32 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
     y, mean, _, var = norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
                                    fixed_rstd, keep_stats, fixed_var, act=act)
     return y, mean, var
+
+
+def cast_norm(x, grouping, weight, bias, eps, center, casting, offset, ndtype):
+    """A model's norm with its casting rule (``normkit.rms_casting``): ``x`` normalized in
+    ``ndtype`` (the model's ``x.float()``) over ``grouping`` without affine, then
+    ``scale_and_cast`` with ``weight`` (broadcast, ``offset`` added), ``bias`` and the
+    ``casting`` rule; arguments already validated (``normkit.functional.rms_norm``,
+    ``normkit.conversion.recipes``).
+
+    In eager mode, on a contiguous input, one op: with a gradient to record,
+    ``NormFunction`` with ``cast``, which keeps for backward only ``x`` in its own dtype,
+    the statistics and the weight; without, the plan of ``x`` in ``rms_casting.kernel_dtype``
+    and the rule. Traced, intercepted or under autocast, the model's order of ops around
+    the registered norm: ``x.to(ndtype)``, ``norm_forward``, the rule (what a compiler
+    sees and partitions itself)."""
+    if _eager(x) and x.is_contiguous() and x.numel():
+        kdtype = kernel_dtype(x, casting, weight, ndtype)
+        if _needs_grad(x, weight, bias):
+            return NormFunction.apply(x, weight, bias, (grouping, eps, center, None, None, [],
+                                                        None, None, (casting, offset, kdtype)))
+        xn = x.to(kdtype)
+        x_hat = run(backends.plan(xn, grouping, center, False), xn, None, None, eps,
+                    keep_stats=False)[0]
+        return scale_and_cast(x_hat, x.dtype, weight, offset, casting, bias)
+    x_hat = apply_norm(x.to(ndtype), grouping, None, None, eps, center, keep_stats=False)[0]
+    return scale_and_cast(x_hat, x.dtype, weight, offset, casting, bias)
 
 
 def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_saving):

@@ -11,6 +11,10 @@
   every thread). The ratio is converted / untouched: below 1 normkit is faster. With
   ``--control`` an untouched copy runs alongside: its ratio shows the spread of the
   measurement itself on the machine (two equal models).
+  Each train row also counts the bytes autograd keeps for backward in one training step
+  (``saved_bytes``: the unique storages the graph saves, seen through
+  ``torch.autograd.graph.saved_tensors_hooks``, each counted once, the model's own
+  parameters and buffers left out), for both models, and their ratio.
 * **calls**: one small norm call, normkit's layer against torch.nn's, forward without
   grad and forward + backward (``layer(x).sum().backward()``), on one thread; the best of
   ``repeats`` rounds of the calling thread's CPU time per call, in microseconds.
@@ -22,12 +26,13 @@ reported as skipped, not dropped silently.
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 
 import torch
 
 __all__ = ["MODELS", "CALLS", "llm", "study_cnn", "images", "train_step", "infer_step",
-           "run_models", "run_calls", "format_models", "format_calls"]
+           "saved_bytes", "run_models", "run_calls", "format_models", "format_calls"]
 
 
 # ---------------------------------------------------------------------------- models
@@ -62,6 +67,26 @@ def _bit():
     return transformers.BitModel(transformers.BitConfig())          # BiT-R50x1
 
 
+def _resnet50():
+    import transformers
+
+    return transformers.ResNetModel(transformers.ResNetConfig())    # ResNet-50: the defaults
+
+
+def _mobilenet_v2():
+    import transformers
+
+    return transformers.MobileNetV2Model(transformers.MobileNetV2Config())    # 1.0, 224
+
+
+def _efficientnet_b0():
+    import transformers
+
+    config = transformers.EfficientNetConfig(width_coefficient=1.0, depth_coefficient=1.0,
+                                             image_size=224, hidden_dim=1280, dropout_rate=0.2)
+    return transformers.EfficientNetModel(config)                   # (the defaults are B7's)
+
+
 def study_cnn():
     """The study's digits CNN with torch.nn BatchNorm2d layers (the untouched model)."""
     from normkit import revert
@@ -72,9 +97,10 @@ def study_cnn():
     return model
 
 
-def llm(family, hidden=1024, layers=2):
+def llm(family, hidden=1024, layers=2, kv_heads=None, dtype=torch.float32):
     """A Llama- or Gemma-style causal LM from a config (``benchmarks/bench_llm_train.py``
-    and the ``llama``/``gemma`` rows): 64-wide heads, MLP about 8/3 of hidden."""
+    and the ``llama``/``gemma`` rows): 64-wide heads, MLP about 8/3 of hidden, vocabulary
+    8192; ``kv_heads`` key/value heads (default: as many as query heads), in ``dtype``."""
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "gemma": transformers.GemmaConfig}[family]
@@ -83,9 +109,9 @@ def llm(family, hidden=1024, layers=2):
     heads = hidden // 64
     config = config_cls(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
                         num_hidden_layers=layers, num_attention_heads=heads,
-                        num_key_value_heads=heads, head_dim=64, vocab_size=8192,
+                        num_key_value_heads=kv_heads or heads, head_dim=64, vocab_size=8192,
                         max_position_embeddings=4096)
-    return model_cls(config)
+    return model_cls(config).to(dtype)
 
 
 def mlp():
@@ -145,6 +171,15 @@ MODELS = {
               lambda: llm("llama"), lambda: _tokens(2, 512), ("train",)),
     "gemma": ("GemmaForCausalLM, hidden 1024, 2 layers, seq 512, batch 2",
               lambda: llm("gemma"), lambda: _tokens(2, 512), ("train",)),
+    "llama-bf16": ("LlamaForCausalLM in bf16, hidden 512, 4 layers, 8 heads, 2 KV heads, "
+                   "seq 256, batch 4", lambda: llm("llama", 512, 4, 2, torch.bfloat16),
+                   lambda: _tokens(4, 256), ("train",)),
+    "resnet50": ("ResNetModel, ResNet-50 config, batch 4, 128 px",
+                 _resnet50, lambda: images(4, 128), ("train", "infer")),
+    "mobilenetv2": ("MobileNetV2Model, 1.0 config, batch 8, 128 px",
+                    _mobilenet_v2, lambda: images(8, 128), ("train", "infer")),
+    "efficientnet-b0": ("EfficientNetModel, B0 widths and depths, batch 8, 128 px",
+                        _efficientnet_b0, lambda: images(8, 128), ("train", "infer")),
 }
 QUICK_MODELS = ("study-cnn-b2",)
 
@@ -168,6 +203,29 @@ def infer_step(model, opt, x):
     """A no-grad forward (``opt`` unused: the same signature as ``train_step``)."""
     with torch.no_grad():
         _output(model, x)
+
+
+def saved_bytes(model, x):
+    """Bytes autograd keeps for the backward of one training step of ``model`` on ``x``
+    (``_output``'s loss): every storage a node of the graph saves, counted once at its
+    full size however many tensors view it (``saved_tensors_hooks`` sees each saved
+    tensor), the model's own parameters and buffers left out (they are kept anyway).
+    The graph is then run backward and the gradients dropped."""
+    own = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(),
+                                                                   model.buffers())}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = _output(model, x)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
 
 
 def _pair(build):
@@ -223,6 +281,9 @@ def measure_model(name, mode, repeats=5, min_seconds=0.3, device="cpu", control=
         model.train(mode == "train")
         opts[key] = torch.optim.SGD(model.parameters(), lr=1e-4)
         fn(model, opts[key], x)                                    # warm-up (numba compiles)
+    saved = {}
+    if mode == "train":        # (before the timing: what one step keeps for its backward)
+        saved = {key: saved_bytes(pair[key], x) for key in ("untouched", "converted")}
     once = _time_steps(fn, plain, opts["untouched"], x, 1)
     steps = max(1, min(200, round(min_seconds / max(once, 1e-6))))
     best = {key: float("inf") for key in pair}
@@ -233,7 +294,11 @@ def measure_model(name, mode, repeats=5, min_seconds=0.3, device="cpu", control=
                 norms_converted=count,
                 steps_per_repeat=steps, untouched_ms=best["untouched"] * 1e3,
                 converted_ms=best["converted"] * 1e3,
-                ratio=best["converted"] / best["untouched"], control=_spread(best, "control"))
+                ratio=best["converted"] / best["untouched"], control=_spread(best, "control"),
+                untouched_saved_bytes=saved.get("untouched"),
+                converted_saved_bytes=saved.get("converted"),
+                saved_ratio=(saved["converted"] / saved["untouched"] if saved.get("untouched")
+                             else None))
 
 
 def run_models(names=None, repeats=5, progress=None, device="cpu", control=False):
@@ -320,16 +385,27 @@ def run_calls(calls=300, repeats=15):
 
 # ---------------------------------------------------------------------------- printing
 
+def _saved_columns(r):
+    """``saved MiB untouched / converted, ratio`` of a train row; blank for the others."""
+    if r.get("saved_ratio") is None:
+        return f"{'':>24s}"
+    mib = 2 ** 20
+    return (f"{r['untouched_saved_bytes'] / mib:8.1f} {r['converted_saved_bytes'] / mib:8.1f} "
+            f"{r['saved_ratio']:6.3f}")
+
+
 def format_models(rows):
     control = any(r.get("control") is not None for r in rows)
     lines = [f"{'model':16s} {'mode':5s} {'norms':>5s} {'untouched ms':>13s} "
-             f"{'converted ms':>13s} {'ratio':>6s}" + ("  control" if control else "")]
+             f"{'converted ms':>13s} {'ratio':>6s}  {'saved MiB':>8s} {'(conv.)':>8s} "
+             f"{'ratio':>6s}" + ("  control" if control else "")]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['model']:16s} {r['mode']:5s} skipped: {r['skipped']}")
             continue
         lines.append(f"{r['model']:16s} {r['mode']:5s} {r['norms_converted']:5d} "
-                     f"{r['untouched_ms']:13.2f} {r['converted_ms']:13.2f} {r['ratio']:6.3f}"
+                     f"{r['untouched_ms']:13.2f} {r['converted_ms']:13.2f} {r['ratio']:6.3f}  "
+                     f"{_saved_columns(r)}"
                      + (f"  {r['control']:7.3f}" if r.get("control") is not None else ""))
     return "\n".join(lines)
 

@@ -39,8 +39,12 @@ the forward, found by the probe.
 The weight (and bias) broadcast over the normalized dims, so a ``(heads, head_dim)``
 weight with ``dims=1`` is a per-head norm, and a weight of the whole last dim with
 ``group`` is a grouped norm. The normalization is normkit's op with its hand-derived
-backward; the casts, the affine and the gate are the torch ops the models use, so
-autograd differentiates them as in the model.
+backward; the casts, the affine and the gate are the torch ops the models use, in the
+models' order (``normkit.rms_casting.affine``). Without a gate, groups or the L2 form, a
+``llama``/``gemma``/``t5`` recipe is one op, ``normkit.ops.cast_norm``, whose backward
+keeps ``x`` in its own dtype, the statistics and the weight (not the fp32 copies the
+composed ops keep) and gives the composed ops' gradients bit for bit; otherwise autograd
+differentiates the torch ops as in the model.
 """
 
 from __future__ import annotations
@@ -51,11 +55,11 @@ from dataclasses import dataclass
 import torch
 
 from normkit import functional as nF
+from normkit import grouping as G
+from normkit import ops
+from normkit.rms_casting import affine
 
 __all__ = ["Recipe", "run", "describe"]
-
-_HALF = (torch.float16, torch.bfloat16)
-
 
 @dataclass(frozen=True)
 class Recipe:
@@ -93,25 +97,6 @@ def _normalized(h, recipe, eps, weight=None, bias=None):
     return nF.rms_norm(h, shape, weight, eps)
 
 
-def _affine(x_hat, dtype, weight, bias, recipe):
-    """The model's affine on ``x_hat`` (fp32), before any final cast to ``dtype``."""
-    offset, casting = recipe.offset, recipe.casting
-    if casting == "llama":
-        y = x_hat.to(dtype)
-        if weight is not None:
-            y = (offset + weight if offset else weight) * y
-        return y if bias is None else y + bias
-    if casting == "gemma":
-        y = x_hat
-        if weight is not None:
-            y = y * (offset + weight.float() if offset else weight.float())
-        return y if bias is None else y + bias.float()
-    y = x_hat.to(weight.dtype) if weight is not None and weight.dtype in _HALF else x_hat
-    if weight is not None:                                           # t5
-        y = (offset + weight if offset else weight) * y
-    return y if bias is None else y + bias
-
-
 def _frozen_batch_norm(module, recipe, x):
     """Batch normalization with the statistics and affine of ``module``'s buffers (a
     FrozenBatchNorm2d: ``weight``, ``bias``, ``running_mean``, ``running_var``), in the
@@ -139,6 +124,10 @@ def run(module, recipe, x, gate=None):
         if not inside:
             y = y * weight if bias is None else y * weight + bias
         return y
+    if recipe.casting != "torch" and not gated and recipe.group is None and not recipe.l2:
+        # the casts and the affine in the one op that keeps x in its own dtype
+        return ops.cast_norm(x, G.layer(tuple(x.shape), recipe.dims), weight, bias, eps,
+                             recipe.center, recipe.casting, recipe.offset, torch.float32)
     h = x.float() if recipe.casting != "torch" else x
     if gated and recipe.gate[0] == "before":
         h = h * _act(recipe.gate[1], gate.float())
@@ -149,7 +138,7 @@ def run(module, recipe, x, gate=None):
             y = (recipe.offset + weight if recipe.offset else weight) * y
         y = y if bias is None else y + bias
     else:
-        y = _affine(x_hat, dtype, weight, bias, recipe)
+        y = affine(x_hat, dtype, weight, recipe.offset, recipe.casting, bias)
     if gated and recipe.gate[0] == "after":
         return (y * _act(recipe.gate[1], gate.float())).to(dtype)
     return y.to(dtype) if recipe.casting == "gemma" else y
