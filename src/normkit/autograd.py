@@ -266,7 +266,8 @@ def _cast_backward(ctx, grad_y):
 class AddNormFunction(torch.autograd.Function):
     """``(y, h)`` with ``h = x + residual`` and ``y = w * (h - mean) * rstd + b`` over the
     rows of (M, K) views (``center=False``: RMSNorm, mean = 0); ``route = (grouping,
-    backend, plan, one_pass)`` of those rows (``normkit.ops.add_norm``)."""
+    backend, plan, one_pass)`` of those rows (``normkit.ops.add_norm``; the plan where
+    ``one_pass``)."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, center, memory_saving, route):
@@ -280,7 +281,7 @@ class AddNormFunction(torch.autograd.Function):
             y, h, mean, rstd = plan.add_forward(x, residual, weight, bias, eps)
         else:
             h = x + residual
-            y, mean, rstd, _ = plan.forward(h, weight, bias, eps)
+            y, mean, rstd, _ = backend.forward(h, grouping, weight, bias, eps, center)
         from_y = bool(memory_saving) and (weight is None or not bool((weight == 0).any()))
         ctx.save_for_backward(y if from_y else h, weight, bias, mean, rstd)
         ctx.backend, ctx.plan, ctx.fused, ctx.from_y = backend, plan, fused, from_y
@@ -320,7 +321,8 @@ class AddNormFunction(torch.autograd.Function):
             dh, dw, db = torch_ops.backward(grad_y, saved, mean, rstd.reshape(-1, 1), weight,
                                             ctx.grouping, ctx.center, False, needs, xhat=xhat)
         else:
-            dh, dw, db = ctx.plan.backward(grad_y, saved, mean, rstd, weight, needs)
+            dh, dw, db = ctx.backend.backward(grad_y, saved, mean, rstd, weight,
+                                              ctx.grouping, ctx.center, False, needs)
         if (torch.is_grad_enabled() or not ctx.fused) and dh is not None and grad_h is not None:
             dh = dh + grad_h                                       # the direct path of h
         dw = None if dw is None or weight is None else dw.reshape(weight.shape).to(weight.dtype)

@@ -435,12 +435,14 @@ def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_sav
     if not tracing():
         xv = x.reshape(grouping.view)                              # M, K
         rows = G.layer(tuple(xv.shape), 1)
-        backend, plan = backends.select(xv, rows, center), backends.plan(xv, rows, center)
+        backend = backends.select(xv, rows, center)
         # one pass each way where the backend says it pays (add_one_pass: the CPU
-        # executor's plan.add_forward, the GPU's fused_add_forward); the memory-saving
-        # backward on any
+        # executor's plan.add_forward, the GPU's fused_add_forward), in plain eager mode;
+        # the memory-saving backward on any
         one_pass = getattr(backend, "add_one_pass", None)
-        one_pass = one_pass is not None and one_pass(xv)
+        one_pass = (one_pass is not None and plain_eager(xv) and plain_eager(residual)
+                    and one_pass(xv))
+        plan = backends.plan(xv, rows, center) if one_pass else None
         if memory_saving or one_pass:
             w = None if weight is None else weight.reshape(-1)
             b = None if bias is None else bias.reshape(-1)
