@@ -48,7 +48,8 @@ _cache.check_package_cache()    # before any kernel is loaded from the cache
 from normkit.backends.cpu import native  # noqa: E402
 from normkit.backends.cpu.plans import FAMILIES  # noqa: E402
 
-__all__ = ["add_one_pass", "backward", "forward", "plan", "supports", "update_running"]
+__all__ = ["add_one_pass", "backward", "forward", "plan", "supports", "supports_activation",
+           "update_running"]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -77,10 +78,20 @@ def supports(x, grouping, center=True, fixed=False) -> bool:
     return layout(x.view(grouping.view), grouping) is not None
 
 
-def plan(x, grouping, center=True, fixed=False):
+def supports_activation(x, grouping, act) -> bool:
+    """BatchNorm followed by ``act`` (``normkit.activation``) runs fused in the kernels of
+    contiguous NCHW planes and of rows of channels (channels_last, (N, C)): the activation
+    in the store of y, its derivative in the backward's sums and dx (``act_stores``)."""
+    return grouping.kind == "batch" and layout(x.view(grouping.view), grouping) in (
+        "planes", "columns")
+
+
+def plan(x, grouping, center=True, fixed=False, act=None):
     """The C++ plan that runs ``x`` (``supports`` true; the view or any shape that views as
-    it), made from its family's decisions (``plans``)."""
-    family = FAMILIES[layout(x.view(grouping.view), grouping)](x, grouping, center, fixed)
+    it), made from its family's decisions (``plans``); ``act``: followed by that
+    activation (``supports_activation`` true)."""
+    family = FAMILIES[layout(x.view(grouping.view), grouping)](x, grouping, center, fixed,
+                                                               act)
     return native.build(family, x)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from numba import carray, types
 from numba.extending import intrinsic, register_jitable
 
-__all__ = ["at"]
+__all__ = ["at", "float_of_bits"]
 
 
 @intrinsic
@@ -38,3 +38,16 @@ def _pointer(typingctx, address, proto):
 def at(address, proto, shape):
     """The C-contiguous array of ``shape`` and ``proto``'s dtype at ``address``."""
     return carray(_pointer(address, proto), shape)
+
+
+@intrinsic
+def float_of_bits(typingctx, bits):
+    """The float64 whose IEEE bits the int64 ``bits`` holds (a float constant of a plan
+    in its int64 argument slot, ``args.constants``: exact, no tensor to keep alive)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float64))
+
+    return types.float64(bits), codegen

@@ -12,7 +12,10 @@ Each argument has a name and one slot of ``a``, the same in every kernel (``SLOT
               variance), ``stream`` (non-temporal stores), ``stage``, and the range of work
               items ``[lo, hi)``
 ``CONSTANTS`` per plan: sizes, flags and tuning choices, filled by name from the plan's
-              attributes of the same names (``constants``)
+              attributes of the same names (``constants``); ``act``, the code of
+              the activation a BatchNorm applies (``normkit.activation.CODES``, 0:
+              none), and ``slope``, leaky_relu's slope as the int64 of its float64
+              bits (``float_bits``; ``address.float_of_bits`` reads it back, exactly)
 
 An entry's parameters are its declaration (``entries``): ``callback`` compiles it as a
 numba ``cfunc`` generated from those names -- ``entry(a[slot of name1], a[slot of
@@ -26,19 +29,20 @@ from __future__ import annotations
 
 import functools
 import inspect
+import struct
 from typing import NamedTuple
 
 from numba import cfunc, types
 
 __all__ = ["SLOTS", "TENSORS", "PER_CALL", "CONSTANTS", "Work", "callback", "constants",
-           "parameters"]
+           "float_bits", "parameters"]
 
 TENSORS = ("x", "y", "w", "b", "mean", "rstd", "var", "g", "dx", "dw", "db", "scratch", "r", "h",
            "gh")
 PER_CALL = ("from_var", "stream", "stage", "lo", "hi")
 CONSTANTS = ("m", "k", "n", "c", "s", "groups", "center", "fixed", "ahead", "block",
              "block_bwd", "small", "rows", "run", "parts", "sn", "cg", "count", "per_sample",
-             "chunks")
+             "chunks", "act", "slope")
 SLOTS = {name: slot for slot, name in enumerate(TENSORS + PER_CALL + CONSTANTS)}
 
 #: the callback's own arguments, after the slots: eps (a double), and the storage and
@@ -56,6 +60,13 @@ class Work(NamedTuple):
     merge: bool = False
     last: int = 0
     scratch: int = 0
+
+
+def float_bits(value: float) -> int:
+    """The int64 whose bits are the float64 ``value``: a float constant in an int64 slot.
+    (Not a 1-element tensor by address: the C++ plan would have to keep it alive; not the
+    value rounded to an integer scale: leaky_relu's slope is any float.)"""
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
 @functools.cache

@@ -19,6 +19,8 @@ three stages (``stage``):
 2. per row, rows [lo, hi)::
 
        y  = (x - mean) * (rstd * w) + b                          (stores.affine_per_channel)
+       (followed by the activation of ``act``, with g' = g * act'(z) in place of g in the
+       backward: ``act_stores``)
        dx = g * (rstd * w) - (x - mean) * (rstd^2 * c_var) - rstd * c_mean
                                                                  (stores.dx_per_channel)
        c_var  = w * sum(g * xhat) / M    (0 with fixed statistics)
@@ -42,7 +44,9 @@ from numba import njit
 from normkit.backends.cpu.moments import (cl_range_grad_sums, cl_range_moments, grad_lanes,
                                           lane_scratch)
 from normkit.backends.cpu.rows import JIT
-from normkit.backends.cpu.stores import fence, store_affine_per_channel, store_dx_per_channel
+from normkit.backends.cpu.act_stores import (ACT_NONE, store_affine_per_channel_act,
+                                             store_dx_per_channel_act)
+from normkit.backends.cpu.stores import fence
 from normkit.stats_numba import chan_merge
 
 __all__ = ["chunk_moments", "merge_moments", "apply_rows", "chunk_grad_sums",
@@ -90,23 +94,25 @@ def merge_moments(sums, rows, m, eps, stats):
 
 
 @njit(**JIT)
-def apply_rows(x, y, w, b, stats, stream, lo, hi):
-    """Stage 2 forward (and eval): y = (x - mean) * (rstd * w) + b for the rows [lo, hi);
-    stats = (mean, rstd) (C,), read; ``stream``: non-temporal stores."""
+def apply_rows(x, y, w, b, stats, stream, act, lo, hi):
+    """Stage 2 forward (and eval): y = act((x - mean) * (rstd * w) + b) for the rows
+    [lo, hi) (``act_stores``); stats = (mean, rstd) (C,), read; ``stream``: non-temporal
+    stores."""
     mean, rstd = stats
     c_ = w.shape[0]
     scale = np.empty(c_, mean.dtype)
     for c in range(c_):
         scale[c] = rstd[c] * w[c]
-    store_affine_per_channel(y, (x,), (mean, scale, b), c_, lo, hi, stream)
+    store_affine_per_channel_act(y, (x,), (mean, scale, b), c_, lo, hi, stream, act, ())
     if stream:
         fence()
 
 
 @njit(**JIT)
-def chunk_grad_sums(g, x, stats, chunk, sums, lo, hi):
+def chunk_grad_sums(g, x, stats, chunk, sums, params, act, lo, hi):
     """Stage 0 backward: each chunk's per-column sums of g and g * xhat into
-    sums = (sg, sgx): (chunks, C) float64."""
+    sums = (sg, sgx): (chunks, C) float64; with an activation, of g' = g * act'(z), z
+    the forward's (``params = (w, b)``)."""
     mean, rstd = stats
     rows, run = chunk
     sg, sgx = sums
@@ -115,11 +121,22 @@ def chunk_grad_sums(g, x, stats, chunk, sums, lo, hi):
     lanes = grad_lanes(c_, run, mean)
     for r in range(run):
         lanes[2][r * c_:(r + 1) * c_] = mean
+    w, b = params
+    lanes_act = 0 if act[0] == ACT_NONE else run   # the forward's scale and shift, per lane
+    scale, shift = np.empty(lanes_act * c_, mean.dtype), np.empty(lanes_act * c_, mean.dtype)
+    for r in range(lanes_act):
+        for c in range(c_):
+            scale[r * c_ + c], shift[r * c_ + c] = rstd[c] * w[c], b[c]
+    lane_act = (act[0], act[1], act[2], scale, shift)
     for u in range(lo, hi):
         r0, r1 = _rows_of(u, rows, m)
         sg[u, :] = 0.0
         sgx[u, :] = 0.0
-        cl_range_grad_sums(g, x, c_, r0, r1, rows, run, lanes, rstd, sg[u], sgx[u])
+        if act[0] == ACT_NONE:
+            cl_range_grad_sums(g, x, c_, r0, r1, rows, run, lanes, rstd, sg[u], sgx[u])
+        else:
+            cl_range_grad_sums(g, x, c_, r0, r1, rows, run, lanes, rstd, sg[u], sgx[u],
+                               lane_act)
 
 
 @njit(**JIT)
@@ -142,9 +159,10 @@ def merge_grad_sums(sums, m, w, center, fixed, grads):
 
 
 @njit(**JIT)
-def dx_rows(g, x, w, stats, sums, dx, stream, lo, hi):
-    """Stage 2 backward: dx for the rows [lo, hi), the coefficients from stage 1;
-    ``stream``: non-temporal stores."""
+def dx_rows(g, x, w, b, stats, sums, dx, stream, act, lo, hi):
+    """Stage 2 backward: dx for the rows [lo, hi), the coefficients from stage 1 (with an
+    activation, g' = g * act'(z) in place of g, ``act_stores``); ``stream``:
+    non-temporal stores."""
     mean, rstd = stats
     c_ = w.shape[0]
     scale_g, scale_x = np.empty(c_, mean.dtype), np.empty(c_, mean.dtype)
@@ -154,6 +172,7 @@ def dx_rows(g, x, w, stats, sums, dx, stream, lo, hi):
         scale_g[c] = rs * w[c]
         scale_x[c] = rs * rs * sums[1][0, c]
         offset[c] = rs * sums[0][0, c]
-    store_dx_per_channel(dx, (g, x), (mean, scale_g, scale_x, offset), c_, lo, hi, stream)
+    store_dx_per_channel_act(dx, (g, x), (mean, scale_g, scale_x, offset), c_, lo, hi, stream,
+                             act, (b,))
     if stream:
         fence()

@@ -31,7 +31,9 @@ from numba.extending import register_jitable
 
 from normkit.backends.cpu import channels_last as cl
 from normkit.backends.cpu import columns, planes, rows
+from normkit.backends.cpu.act_stores import act_params
 from normkit.backends.cpu.address import at as _at
+from normkit.backends.cpu.address import float_of_bits
 from normkit.backends.cpu.rows import JIT
 
 __all__ = ["rows_forward", "rows_backward", "channels_small", "channels_small_backward",
@@ -58,6 +60,13 @@ def _rstd(var, eps):
     for i in range(var.shape[0]):
         out[i] = var.dtype.type(1.0) / np.sqrt(var[i] + e)
     return out
+
+
+@register_jitable
+def _act(act, slope, sproto):
+    """The kernels' ``act`` of the constants ``act`` (a code) and ``slope`` (float64 bits),
+    in the statistics dtype (``act_stores.act_params``)."""
+    return act_params(act, float_of_bits(slope), sproto)
 
 
 @register_jitable
@@ -124,29 +133,31 @@ def _planes_in(x, y, w, b, mean, rstd, var, n, c, s, units, fixed, from_var, eps
 
 
 @njit(**JIT)
-def channels_small(x, y, w, b, mean, rstd, var, n, c, s, fixed, from_var, lo, hi, eps, proto,
-                   sproto):
+def channels_small(x, y, w, b, mean, rstd, var, n, c, s, fixed, from_var, act, slope, lo, hi,
+                   eps, proto, sproto):
     xa, ya, wa, ba, stats = _planes_in(x, y, w, b, mean, rstd, var, n, c, s, c, fixed,
                                        from_var, eps, proto, sproto)
-    planes.channels_small(xa, ya, wa, ba, eps, fixed != 0, stats, lo, hi)
+    planes.channels_small(xa, ya, wa, ba, eps, fixed != 0, stats, _act(act, slope, sproto), lo,
+                          hi)
 
 
 @njit(**JIT)
-def channels_forward(x, y, w, b, mean, rstd, var, n, c, s, fixed, from_var, block, stream, lo,
-                     hi, eps, proto, sproto):
+def channels_forward(x, y, w, b, mean, rstd, var, n, c, s, fixed, from_var, block, stream, act,
+                     slope, lo, hi, eps, proto, sproto):
     xa, ya, wa, ba, stats = _planes_in(x, y, w, b, mean, rstd, var, n, c, s, c, fixed,
                                        from_var, eps, proto, sproto)
-    planes.channels_forward(xa, ya, wa, ba, eps, block, fixed != 0, stats, stream != 0, lo,
-                            hi)
+    planes.channels_forward(xa, ya, wa, ba, eps, block, fixed != 0, stats, stream != 0,
+                            _act(act, slope, sproto), lo, hi)
 
 
 @njit(**JIT)
-def channels_fixed(x, y, w, b, mean, rstd, var, n, c, s, from_var, small, ahead, stream, lo,
-                   hi, eps, proto, sproto):
+def channels_fixed(x, y, w, b, mean, rstd, var, n, c, s, from_var, small, ahead, stream, act,
+                   slope, lo, hi, eps, proto, sproto):
     """Eval BatchNorm over the N * C planes [lo, hi) in memory order."""
     xa, ya, wa, ba, stats = _planes_in(x, y, w, b, mean, rstd, var, n, c, s, c, 1, from_var,
                                        eps, proto, sproto)
-    planes.channels_fixed(xa, ya, wa, ba, stats, small != 0, (stream != 0, ahead), lo, hi)
+    planes.channels_fixed(xa, ya, wa, ba, stats, small != 0, (stream != 0, ahead),
+                          _act(act, slope, sproto), lo, hi)
 
 
 @njit(**JIT)
@@ -175,6 +186,15 @@ def _planes_back(g, x, dx, w, mean, rstd, scratch, n, c, s, units, proto, sproto
 
 
 @register_jitable
+def _bias(b, c, sproto):
+    """The bias (C,) a backward with an activation reads (its z), zeros where the node
+    gives none (address 0: a backward without an activation)."""
+    if b == 0:
+        return np.zeros(c, sproto.dtype)
+    return _at(b, sproto, (c,))
+
+
+@register_jitable
 def _sum_planes(scratch, n, c, dw, db, sproto):
     """Stage 1 of the planes backward: db, dw (C,) from the per-plane sums (2, N, C), each
     added over n in float64 (in the order n = 0, 1, ...) and rounded once."""
@@ -188,27 +208,28 @@ def _sum_planes(scratch, n, c, dw, db, sproto):
 
 
 @njit(**JIT)
-def channels_small_backward(g, x, dx, w, mean, rstd, dw, db, scratch, n, c, s, center, fixed,
-                            stage, lo, hi, eps, proto, sproto):
+def channels_small_backward(g, x, dx, w, b, mean, rstd, dw, db, scratch, n, c, s, center,
+                            fixed, act, slope, stage, lo, hi, eps, proto, sproto):
     if stage == 1:
         _sum_planes(scratch, n, c, dw, db, sproto)
         return
     ga, xa, dxa, wa, stats, sums = _planes_back(g, x, dx, w, mean, rstd, scratch, n, c, s, c,
                                                 proto, sproto)
-    planes.channels_small_backward(ga, xa, wa, stats, center != 0, fixed != 0, dxa, sums, lo,
-                                   hi)
+    planes.channels_small_backward(ga, xa, wa, _bias(b, c, sproto), stats, center != 0,
+                                   fixed != 0, dxa, sums, _act(act, slope, sproto), lo, hi)
 
 
 @njit(**JIT)
-def channels_backward(g, x, dx, w, mean, rstd, dw, db, scratch, n, c, s, block_bwd, center,
-                      fixed, stream, stage, lo, hi, eps, proto, sproto):
+def channels_backward(g, x, dx, w, b, mean, rstd, dw, db, scratch, n, c, s, block_bwd, center,
+                      fixed, stream, act, slope, stage, lo, hi, eps, proto, sproto):
     if stage == 1:
         _sum_planes(scratch, n, c, dw, db, sproto)
         return
     ga, xa, dxa, wa, stats, sums = _planes_back(g, x, dx, w, mean, rstd, scratch, n, c, s, c,
                                                 proto, sproto)
-    planes.channels_backward(ga, xa, wa, stats, block_bwd, center != 0, fixed != 0, dxa, sums,
-                             stream != 0, lo, hi)
+    planes.channels_backward(ga, xa, wa, _bias(b, c, sproto), stats, block_bwd, center != 0,
+                             fixed != 0, dxa, sums, stream != 0, _act(act, slope, sproto), lo,
+                             hi)
 
 
 @njit(**JIT)
@@ -249,7 +270,7 @@ def _columns_sums(scratch, m, c, rows_):
 
 @njit(**JIT)
 def columns_forward(x, y, w, b, mean, rstd, var, scratch, m, c, rows, run, from_var, stream,
-                    stage, lo, hi, eps, proto, sproto):
+                    act, slope, stage, lo, hi, eps, proto, sproto):
     xa = _at(x, proto, (m * c,))
     if stage == 0:
         columns.chunk_moments(xa, c, (rows, run), sproto, _columns_sums(scratch, m, c, rows),
@@ -261,23 +282,25 @@ def columns_forward(x, y, w, b, mean, rstd, var, scratch, m, c, rows, run, from_
     else:
         columns.apply_rows(xa, _at(y, proto, (m * c,)), _at(w, sproto, (c,)),
                            _at(b, sproto, (c,)), _given(mean, rstd, c, from_var, eps, sproto),
-                           stream != 0, lo, hi)
+                           stream != 0, _act(act, slope, sproto), lo, hi)
 
 
 @njit(**JIT)
-def columns_backward(g, x, dx, w, mean, rstd, dw, db, scratch, m, c, rows, run, center, fixed,
-                     stream, stage, lo, hi, eps, proto, sproto):
+def columns_backward(g, x, dx, w, b, mean, rstd, dw, db, scratch, m, c, rows, run, center,
+                     fixed, stream, act, slope, stage, lo, hi, eps, proto, sproto):
     ga, xa = _at(g, proto, (m * c,)), _at(x, proto, (m * c,))
-    wa = _at(w, sproto, (c,))
+    wa, ba = _at(w, sproto, (c,)), _bias(b, c, sproto)
     stats = (_at(mean, sproto, (c,)), _at(rstd, sproto, (c,)))
     sums = _columns_sums(scratch, m, c, rows)
+    acts = _act(act, slope, sproto)
     if stage == 0:
-        columns.chunk_grad_sums(ga, xa, stats, (rows, run), sums, lo, hi)
+        columns.chunk_grad_sums(ga, xa, stats, (rows, run), sums, (wa, ba), acts, lo, hi)
     elif stage == 1:
         columns.merge_grad_sums(sums, m, wa, center != 0, fixed != 0,
                                 (_at(dw, sproto, (c,)), _at(db, sproto, (c,))))
     else:
-        columns.dx_rows(ga, xa, wa, stats, sums, _at(dx, proto, (m * c,)), stream != 0, lo, hi)
+        columns.dx_rows(ga, xa, wa, ba, stats, sums, _at(dx, proto, (m * c,)), stream != 0,
+                        acts, lo, hi)
 
 
 # ---- channels_last Instance/GroupNorm (``channels_last``), viewed (N, S * C) -------------

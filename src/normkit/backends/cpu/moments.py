@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba.extending import register_jitable
 
+from normkit.backends.cpu.act_stores import act_grad
 from normkit.backends.cpu.half import accumulate, like, load
 from normkit.stats_numba import chan_merge
 
@@ -209,17 +210,39 @@ def _lane_grad_sums(gn, xn, c_, s0, s1, run, lanes):
 
 
 @register_jitable
-def cl_range_grad_sums(gn, xn, c_, s_begin, s_end, block, run, lanes, rstd, sg, sgx):
+def _lane_grad_sums_act(gn, xn, c_, s0, s1, run, lanes, act):
+    """``_lane_grad_sums`` of g' = g * act'(z), z = (x - mean) * (rstd * w) + b (the
+    forward's z, bit for bit: ``act_stores``), a run at a time; ``act = (code, clamp,
+    silu, lane scale rstd * w, lane b)``, the lanes repeated over a run as the mean."""
+    lane_g, lane_gx, lane_mean, _ = lanes
+    code, cl, si, lane_scale, lane_shift = act
+    for g in range(s0, s1, run):
+        i0, i1 = g * c_, min(s1, g + run) * c_
+        xs, gs = xn[i0:i1], gn[i0:i1]                              # <= run*C
+        for j in range(xs.shape[0]):
+            d = load(xs, j) - lane_mean[j]
+            gi = act_grad(load(gs, j), d * lane_scale[j] + lane_shift[j], (code, cl, si))
+            lane_g[j] += gi
+            lane_gx[j] += gi * d
+
+
+@register_jitable
+def cl_range_grad_sums(gn, xn, c_, s_begin, s_end, block, run, lanes, rstd, sg, sgx,
+                       act=None):
     """Per-channel sums of g and g * xhat (float64, added into sg, sgx: (C,)) over the
     rows [s_begin, s_end) of one channels_last sample gn, xn: (S*C,). Per block of
     ``block`` rows the sums of g and g * (x - mean) accumulate in lanes of the statistics
     dtype, then go to float64 (the second times rstd). ``lanes`` = (lane g, lane g * (x -
-    mean), the mean repeated over a run: (run*C,); folded: (C,))."""
+    mean), the mean repeated over a run: (run*C,); folded: (C,)). ``act`` (BatchNorm with
+    an activation, ``_lane_grad_sums_act``): the sums of g' = g * act'(z) instead."""
     lane_g, lane_gx, lane_mean, folded = lanes
     for s0 in range(s_begin, s_end, block):
         lane_g[:] = 0.0
         lane_gx[:] = 0.0
-        _lane_grad_sums(gn, xn, c_, s0, min(s_end, s0 + block), run, lanes)
+        if act is None:
+            _lane_grad_sums(gn, xn, c_, s0, min(s_end, s0 + block), run, lanes)
+        else:
+            _lane_grad_sums_act(gn, xn, c_, s0, min(s_end, s0 + block), run, lanes, act)
         fold_lanes(lane_g, folded, c_, run)
         for c in range(c_):
             sg[c] += folded[c]

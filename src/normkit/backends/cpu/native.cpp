@@ -171,6 +171,11 @@ struct Plan : torch::CustomClassHolder {
   bool huge = false;                   // outputs advised huge pages
   int64_t stream_bytes = 0;            // outputs from this size may stream (0: never),
   bool stream_fresh = false;           // freshly mapped ones too (tuning.stream_bytes)
+  // the activation the kernels apply to y (BatchNorm; "": none) and leaky_relu's slope:
+  // the kernels read them from `base` (the constants act, slope); the node keeps the bias
+  // for the backward's z and hands both to norm_backward for a double backward
+  std::string activation;
+  double negative_slope = 0.0;
 
   at::ScalarType sdtype() const { return ones.scalar_type(); }
 
@@ -420,13 +425,14 @@ tensor_list run_forward(const Plan& p, const Tensor& x, const Tensor& w, const T
 
 tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const Tensor& w,
                         const Tensor& mean, const Tensor& rstd, double eps, bool fixed,
-                        std::array<bool, 3> needs);
+                        std::array<bool, 3> needs, const Tensor& b);
 
 // (dx, dweight, dbias) of one backward call, the parameter gradients (params,) of the
 // statistics dtype; grad_h (residual-add norms): added to dx
+// b: the forward's bias, which a plan with an activation reads (its z = w * xhat + b)
 tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, const Tensor& w,
                          const Tensor& mean, const Tensor& rstd,
-                         const Tensor& grad_h = Tensor()) {
+                         const Tensor& grad_h = Tensor(), const Tensor& b = Tensor()) {
   check_input(p, x);
   Tensor g = like_input(grad.sizes() == x.sizes() ? grad : grad.reshape(x.sizes()), x), gh;
   if (grad_h.defined()) {
@@ -437,9 +443,11 @@ tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, con
   auto options = x.options().dtype(p.sdtype());
   Tensor dw = at::empty({p.ones.numel()}, options), db = at::empty({p.ones.numel()}, options);
   Tensor wk = p.param(w, p.ones), ms = p.stat(mean), rs = p.stat(rstd);
+  Tensor bk = p.activation.empty() ? Tensor() : p.param(b, p.zeros);
   int64_t a[kMaxSlots];
   std::copy(p.base.begin(), p.base.end(), a);
   a[slot.g] = address(g), a[slot.x] = address(x), a[slot.dx] = address(dx);
+  a[slot.b] = address(bk);
   a[slot.w] = address(wk), a[slot.mean] = address(ms), a[slot.rstd] = address(rs);
   a[slot.dw] = address(dw), a[slot.db] = address(db), a[slot.stream] = p.stream(dx) ? 1 : 0;
   a[slot.gh] = address(gh);
@@ -479,7 +487,10 @@ struct NormNode : public torch::autograd::Function<NormNode> {
     auto out = run_forward(*plan, x, w, b, eps, fixed_mean, fixed_rstd, false, true, Running());
     Tensor mean = fixed ? plan->stat(fixed_mean) : out[1];
     Tensor rstd = fixed ? plan->stat(fixed_rstd) : out[2];
-    ctx->save_for_backward({x, w, mean, rstd});
+    if (plan->activation.empty())
+      ctx->save_for_backward({x, w, mean, rstd});
+    else                               // (the backward's z = w * xhat + b)
+      ctx->save_for_backward({x, w, mean, rstd, b});
     auto kept = c10::make_intrusive<Kept>();
     kept->plan = std::move(plan), kept->eps = eps, kept->fixed = fixed;
     if (b.defined()) {                 // its gradient's shape and dtype
@@ -497,6 +508,7 @@ struct NormNode : public torch::autograd::Function<NormNode> {
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     auto saved = ctx->get_saved_variables();
     const Tensor &x = saved[0], &w = saved[1], &mean = saved[2], &rstd = saved[3];
+    Tensor b = saved.size() > 4 ? saved[4] : Tensor();
     auto kept = c10::static_intrusive_pointer_cast<Kept>(ctx->saved_data["k"].toCapsule());
     const Plan& p = *kept->plan;
     // (the Function's edges are its tensor inputs that are given: x, w, b, in that order)
@@ -508,8 +520,8 @@ struct NormNode : public torch::autograd::Function<NormNode> {
     Tensor g = grads[0];
     // double backward: the operator, whose autograd differentiates the formula
     auto out = at::GradMode::is_enabled()
-                   ? backward_op(p, g, x, w, mean, rstd, kept->eps, kept->fixed, needs)
-                   : run_backward(p, g, x, w, mean, rstd);
+                   ? backward_op(p, g, x, w, mean, rstd, kept->eps, kept->fixed, needs, b)
+                   : run_backward(p, g, x, w, mean, rstd, Tensor(), b);
     if (needs[0]) result[0] = out[0].sizes() == x.sizes() ? out[0] : out[0].reshape(x.sizes());
     if (needs[1]) result[1] = as_param(out[1], w.sizes(), w.scalar_type());
     if (needs[2]) result[2] = as_param(out[2], kept->bias_shape, kept->bias_dtype);
@@ -519,7 +531,7 @@ struct NormNode : public torch::autograd::Function<NormNode> {
 
 tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const Tensor& w,
                         const Tensor& mean, const Tensor& rstd, double eps, bool fixed,
-                        std::array<bool, 3> needs) {
+                        std::array<bool, 3> needs, const Tensor& b) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("normkit::norm_backward", "");
   torch::jit::Stack stack;
   stack.reserve(16);
@@ -537,9 +549,15 @@ tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const T
   stack.emplace_back(p.center);
   stack.emplace_back(fixed);
   stack.emplace_back(c10::List<bool>({needs[0], needs[1], needs[2]}));
-  stack.emplace_back(c10::IValue());    // bias, activation, negative_slope: no activation
-  stack.emplace_back(c10::IValue());
-  stack.emplace_back(0.0);
+  if (p.activation.empty()) {           // bias, activation, negative_slope: none
+    stack.emplace_back(c10::IValue());
+    stack.emplace_back(c10::IValue());
+    stack.emplace_back(0.0);
+  } else {
+    stack.emplace_back(b.defined() ? c10::IValue(b) : c10::IValue());
+    stack.emplace_back(p.activation);
+    stack.emplace_back(p.negative_slope);
+  }
   op.callBoxed(&stack);
   return {stack[0].toTensor(), stack[1].toTensor(), stack[2].toTensor()};
 }
@@ -555,8 +573,9 @@ Running running_of(const c10::optional<Tensor>& mean, const c10::optional<Tensor
 // The Plan's calls, as Python sees them (normkit.backends.plan's protocol; add_forward
 // above):
 // forward  no gradient recorded: (y, mean, rstd, var) (see run_forward)
-// backward (dx, dweight, dbias), None where `needs` says so; grad_h: added to dx (the
-//          gradient of h after add_forward)
+// backward (dx, dweight, dbias), None where `needs` says so; bias: the forward's (a plan
+//          with an activation recomputes z from it); grad_h: added to dx (the gradient
+//          of h after add_forward)
 // apply    recorded for autograd: (y, mean, rstd, var), the statistics None where not
 //          kept, fixed, or used for the running update
 // Fixed statistics: mean with rstd, or mean with var (rstd None: computed from it).
@@ -579,8 +598,10 @@ std::vector<c10::optional<Tensor>> backward(const Plan& plan, const Tensor& grad
                                             const Tensor& rstd,
                                             const c10::optional<Tensor>& w,
                                             std::array<bool, 3> needs,
+                                            const c10::optional<Tensor>& bias,
                                             const c10::optional<Tensor>& grad_h) {
-  auto out = run_backward(plan, grad, x, optional(w), mean, rstd, optional(grad_h));
+  auto out = run_backward(plan, grad, x, optional(w), mean, rstd, optional(grad_h),
+                          optional(bias));
   std::vector<c10::optional<Tensor>> result(3);
   for (int i = 0; i < 3; ++i)
     if (needs[i]) result[i] = out[i];
@@ -627,7 +648,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::vector<int64_t> reduce,
                        c10::optional<std::vector<int64_t>> param_view, bool center,
                        int64_t threads, bool rows_of_channels, bool huge,
-                       int64_t stream_bytes, bool stream_fresh) {
+                       int64_t stream_bytes, bool stream_fresh, std::string activation,
+                       double negative_slope) {
              TORCH_CHECK(slot.count > 0, "normkit native plan: set_slots first (native.py)");
              TORCH_CHECK(static_cast<int64_t>(base.size()) == slot.count,
                          "normkit native plan: ", base.size(), " arguments, the table has ",
@@ -643,6 +665,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              p->param_view = std::move(param_view), p->center = center;
              p->threads = threads, p->rows_of_channels = rows_of_channels, p->huge = huge;
              p->stream_bytes = stream_bytes, p->stream_fresh = stream_fresh;
+             p->activation = std::move(activation), p->negative_slope = negative_slope;
              p->dtype = like.scalar_type();
              p->numel = 1;
              for (int64_t v : p->view) p->numel *= v;
@@ -655,7 +678,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("running_mean") = py::none(), py::arg("running_var") = py::none(),
            py::arg("momentum") = 0.0, py::arg("unbias") = 1.0)
       .def("backward", &backward, py::arg("grad"), py::arg("x"), py::arg("mean"),
-           py::arg("rstd"), py::arg("weight"), py::arg("needs"),
+           py::arg("rstd"), py::arg("weight"), py::arg("needs"), py::arg("bias") = py::none(),
            py::arg("grad_h") = py::none())
       .def("add_forward", &add_forward, py::arg("x"), py::arg("residual"), py::arg("weight"),
            py::arg("bias"), py::arg("eps"))
@@ -664,7 +687,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("keep_stats") = true, py::arg("var") = py::none(),
            py::arg("running_mean") = py::none(), py::arg("running_var") = py::none(),
            py::arg("momentum") = 0.0, py::arg("unbias") = 1.0)
-      .def_readonly("threads", &Plan::threads);
+      .def_readonly("threads", &Plan::threads)
+      .def_readonly("activation", &Plan::activation);
   m.def("update_running", &update_running);
   m.def("set_team", &set_team);
   m.def("set_slots", &set_slots);

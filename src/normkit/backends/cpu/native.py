@@ -41,7 +41,7 @@ def build(family, x):
     ext = extension()
     forward = args.callback(family.forward_entry, family.proto, family.sproto)
     backward = args.callback(family.backward_entry, family.proto, family.sproto)
-    g = family.grouping
+    g, act = family.grouping, family.activation
     ones = x.new_ones(family.params, dtype=family.sdtype)
     return ext.Plan(x.new_empty(0), forward.address, backward.address,
                     args.constants(family, family.forward_entry, family.backward_entry),
@@ -50,7 +50,8 @@ def build(family, x):
                     list(g.view), list(g.reduce),
                     None if g.param_view is None else list(g.param_view), family.center,
                     family.threads, family.rows_of_channels, family.huge, family.stream_bytes,
-                    family.stream_fresh)
+                    family.stream_fresh, "" if act is None else act.name,
+                    0.0 if act is None else act.slope)
 
 
 def enabled() -> bool:

@@ -21,6 +21,10 @@ Backward (see ``stores.dx_rows_planes``): per plane the sums ``sg = sum(g)`` and
 no two iterations write the same memory), then per unit ``c_var = sum(w * sgx) / count``,
 ``c_mean = sum(w * sg) / count`` (0 without centering; both 0 for fixed statistics).
 
+The BatchNorm kernels (``channels_*``) take ``act`` (``act_stores``): y is stored
+through that activation, and the backward's sums and dx use g' = g * act'(z), z = xhat *
+w + b recomputed from x and the statistics.
+
 Arguments are grouped: ``stats = (mean, rstd, var)`` per unit, read (``fixed``) or
 written; ``sums = (sg, sgx)``: (N, C); ``out = (stream, ahead)`` as in ``rows``.
 """
@@ -36,6 +40,8 @@ from numba.extending import register_jitable
 from normkit.backends.cpu.half import accumulate, like, load, store
 from normkit.backends.cpu.moments import plane_merge, two_pass
 from normkit.backends.cpu.rows import JIT
+from normkit.backends.cpu.act_stores import (ACT_NONE, act_grad, apply_act,
+                                             store_affine_scalar_act, store_dx_rows_planes_act)
 from normkit.backends.cpu.stores import fence, store_affine_scalar, store_dx_rows_planes
 
 __all__ = ["channels_backward", "channels_fixed", "channels_forward", "channels_small",
@@ -64,6 +70,36 @@ def _plane_sums(gb, xb, mu, rs, sdt):
         sg = accumulate(sg, gi)
         sgx = accumulate(sgx, gi * ((load(xb, i) - mu) * rs))
     return sg, sgx
+
+
+@register_jitable(inline="always")   # inlined: see cpu.rows.JIT
+def _plane_sums_act(gb, xb, mu, rs, wb, act, sdt):
+    """(sum(g'), sum(g' * xhat)) over one plane of BatchNorm followed by ``act``:
+    g' = g * act'(z), z = xhat * w + b (``wb = (w, b)`` of the plane's channel)."""
+    if act[0] == ACT_NONE:
+        return _plane_sums(gb, xb, mu, rs, sdt)
+    wc, bc = wb
+    sg = like(sdt, 0.0)
+    sgx = like(sdt, 0.0)
+    for i in range(xb.shape[0]):
+        xh = (load(xb, i) - mu) * rs
+        gi = act_grad(load(gb, i), xh * wc + bc, act)
+        sg = accumulate(sg, gi)
+        sgx = accumulate(sgx, gi * xh)
+    return sg, sgx
+
+
+@register_jitable(inline="always")
+def _small_store(yr, xr, coefs, act):
+    """``y = act(((x - x0) - (mean - x0)) * scale + shift)`` over one small plane in a
+    plain loop (the loop without an activation as before: chosen outside it)."""
+    x0, mean_x0, scale, shift = coefs
+    if act[0] == ACT_NONE:
+        for i in range(xr.shape[0]):
+            store(yr, i, ((load(xr, i) - x0) - mean_x0) * scale + shift)
+    else:
+        for i in range(xr.shape[0]):
+            store(yr, i, apply_act(((load(xr, i) - x0) - mean_x0) * scale + shift, act))
 
 
 @register_jitable(inline="always")   # inlined: see cpu.rows.JIT
@@ -140,11 +176,11 @@ def planes_backward(g, x, w, stats, groups, center, fixed, dx, sums, out, lo, hi
 
 
 @njit(**JIT)
-def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, lo, hi):
+def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, act, lo, hi):
     """BatchNorm: the channels [lo, hi) of x: (N, C, S) in blocks of ``block``: plane
     moments by two-pass for the first sample, shifted by the running channel mean for
-    the others, Chan-merged per channel, then the block normalized from L2/L3. stats
-    per channel, (C,)."""
+    the others, Chan-merged per channel, then the block normalized from L2/L3 (followed
+    by ``act``, ``act_stores``). stats per channel, (C,)."""
     mean, rstd, var = stats
     n_, c_, s_ = x.shape
     inv_s = like(mean, 1.0 / s_)
@@ -171,15 +207,15 @@ def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, lo, hi):
                 mean[c], var[c] = load(x[0, c], 0) + mean64[c - c0], v
         for n in range(n_):                                        # block from L2/L3
             for c in range(c0, c1):
-                store_affine_scalar(y[n, c], (x[n, c],),
-                                    (load(x[0, c], 0), mean_x0[c - c0], rstd[c] * w[c], b[c]),
-                                    (x[0, 0, :0], x[0, 0, :0]), stream)
+                store_affine_scalar_act(y[n, c], (x[n, c],),
+                                        (load(x[0, c], 0), mean_x0[c - c0], rstd[c] * w[c],
+                                         b[c]), (x[0, 0, :0], x[0, 0, :0]), stream, act, ())
     if stream:
         fence()
 
 
 @njit(**JIT)
-def channels_fixed(x, y, w, b, stats, small, out, lo, hi):
+def channels_fixed(x, y, w, b, stats, small, out, act, lo, hi):
     """BatchNorm with given statistics (eval) on several threads: the (n, c) planes
     [lo, hi) of x: (N, C, S), counted n * C + c, in memory order, each
     ``y = ((x - x0) - (mean - x0)) * (rstd * w) + b`` with its channel's statistics and
@@ -188,7 +224,7 @@ def channels_fixed(x, y, w, b, stats, small, out, lo, hi):
     memory: the planes its neighbours in a model (a convolution before, an activation
     after) leave in, or take from, the same core's cache (on one thread the channel loops
     cost less). ``small`` planes (``tuning.SMALL_PLANE``) in a plain loop, as
-    ``channels_small``. stats per channel, (C,)."""
+    ``channels_small``; ``act``: followed by that activation. stats per channel, (C,)."""
     mean, rstd, _ = stats
     stream, ahead = out
     c_, s_ = x.shape[1], x.shape[2]
@@ -201,22 +237,21 @@ def channels_fixed(x, y, w, b, stats, small, out, lo, hi):
         x0 = load(x[0, c], 0)
         mean_x0, scale, shift = like(mean, mean[c] - x0), rstd[c] * w[c], b[c]
         if small:
-            xr, yr = x[n, c], y[n, c]
-            for i in range(s_):
-                store(yr, i, ((load(xr, i) - x0) - mean_x0) * scale + shift)
+            _small_store(y[n, c], x[n, c], (x0, mean_x0, scale, shift), act)
         else:
-            store_affine_scalar(y[n, c], (x[n, c],), (x0, mean_x0, scale, shift),
-                                (_plane_ahead(x, n, c, ahead, lo, hi - 1), x[0, 0, :0]),
-                                stream)
+            store_affine_scalar_act(y[n, c], (x[n, c],), (x0, mean_x0, scale, shift),
+                                    (_plane_ahead(x, n, c, ahead, lo, hi - 1), x[0, 0, :0]),
+                                    stream, act, ())
     if stream:
         fence()
 
 
 @njit(**JIT)
-def channels_backward(g, x, w, stats, block, center, fixed, dx, sums, stream, lo, hi):
+def channels_backward(g, x, w, b, stats, block, center, fixed, dx, sums, stream, act, lo, hi):
     """BatchNorm backward: the channels [lo, hi) of x, g: (N, C, S) in blocks, walked
     sample by sample as ``channels_forward`` does: per-plane sums, the channel's
-    coefficients, then dx from L2/L3. stats = (mean, rstd) per channel."""
+    coefficients, then dx from L2/L3; with ``act``, of g' = g * act'(z) in place of g
+    (z = xhat * w + b recomputed). stats = (mean, rstd) per channel."""
     mean, rstd = stats
     sg, sgx = sums
     n_, c_, s_ = x.shape
@@ -227,7 +262,8 @@ def channels_backward(g, x, w, stats, block, center, fixed, dx, sums, stream, lo
         c1 = min(hi, c0 + block)
         for n in range(n_):                                        # the block's planes in a row
             for c in range(c0, c1):
-                sg[n, c], sgx[n, c] = _plane_sums(g[n, c], x[n, c], mean[c], rstd[c], mean)
+                sg[n, c], sgx[n, c] = _plane_sums_act(g[n, c], x[n, c], mean[c], rstd[c],
+                                                      (w[c], b[c]), act, mean)
         for c in range(c0, c1):
             tgx, tg = 0.0, 0.0
             for n in range(n_):
@@ -237,21 +273,22 @@ def channels_backward(g, x, w, stats, block, center, fixed, dx, sums, stream, lo
             c_mean[c - c0] = w[c] * tg / count if center and not fixed else 0.0
         for n in range(n_):                                        # block from L2/L3
             for c in range(c0, c1):
-                store_dx_rows_planes(dx[n, c], (g[n, c], x[n, c]),
-                                     (w[c], mean[c], rstd[c], c_var[c - c0], c_mean[c - c0]),
-                                     (x[0, 0, :0], x[0, 0, :0]), stream)
+                store_dx_rows_planes_act(dx[n, c], (g[n, c], x[n, c]),
+                                         (w[c], mean[c], rstd[c], c_var[c - c0],
+                                          c_mean[c - c0]), (x[0, 0, :0], x[0, 0, :0]),
+                                         stream, act, (b[c],))
     if stream:
         fence()
 
 
 @njit(**JIT)
-def channels_small(x, y, w, b, eps, fixed, stats, lo, hi):
+def channels_small(x, y, w, b, eps, fixed, stats, act, lo, hi):
     """BatchNorm forward on small planes (``tuning.SMALL_PLANE``): the channels [lo, hi) of
     x: (N, C, S), each by a two-pass over its N planes in float64 (or the given
     statistics), then ``y = ((x - x0) - (mean - x0)) * (rstd * w) + b`` -- the formula of
     ``channels_forward`` -- in one plain loop: none of the per-plane machinery (moment
     merges, prefetch, streamed stores), whose fixed cost dominates planes of a few dozen
-    elements. stats per channel, (C,)."""
+    elements; ``act``: followed by that activation. stats per channel, (C,)."""
     mean, rstd, var = stats
     n_, c_, s_ = x.shape
     count = n_ * s_
@@ -277,26 +314,25 @@ def channels_small(x, y, w, b, eps, fixed, stats, lo, hi):
             mean[c], rstd[c], var[c] = x0 + mean64, rs, v
         scale, shift = rs * w[c], b[c]
         for n in range(n_):
-            xr, yr = x[n, c], y[n, c]
-            for i in range(s_):
-                store(yr, i, ((load(xr, i) - x0) - mean_x0) * scale + shift)
+            _small_store(y[n, c], x[n, c], (x0, mean_x0, scale, shift), act)
 
 
 @njit(**JIT)
-def channels_small_backward(g, x, w, stats, center, fixed, dx, sums, lo, hi):
+def channels_small_backward(g, x, w, b, stats, center, fixed, dx, sums, act, lo, hi):
     """BatchNorm backward on small planes: per channel, the per-plane sums of g and
     g * xhat (written to sums = (sg, sgx): (N, C), as ``channels_backward`` writes them),
     then ``dx = (g * w - c_mean - xhat * c_var) * rstd`` (``stores.dx_rows_planes``) in
-    one plain loop. stats = (mean, rstd) per channel."""
+    one plain loop; with ``act``, of g' = g * act'(z) in place of g. stats = (mean,
+    rstd) per channel."""
     mean, rstd = stats
     sg, sgx = sums
     n_, c_, s_ = x.shape
     count = n_ * s_
     for c in range(lo, hi):
-        mu, rs, wc = mean[c], rstd[c], w[c]
+        mu, rs, wc, bc = mean[c], rstd[c], w[c], b[c]
         tgx, tg = 0.0, 0.0
         for n in range(n_):
-            a, q = _plane_sums(g[n, c], x[n, c], mu, rs, mean)
+            a, q = _plane_sums_act(g[n, c], x[n, c], mu, rs, (wc, bc), act, mean)
             sg[n, c], sgx[n, c] = a, q
             tgx += q
             tg += a
@@ -304,8 +340,15 @@ def channels_small_backward(g, x, w, stats, center, fixed, dx, sums, lo, hi):
         c_mean = like(mean, wc * tg / count if center and not fixed else 0.0)
         for n in range(n_):
             gr, xr, dr = g[n, c], x[n, c], dx[n, c]
-            for i in range(s_):
-                store(dr, i, (load(gr, i) * wc - c_mean - ((load(xr, i) - mu) * rs) * c_var) * rs)
+            if act[0] == ACT_NONE:
+                for i in range(s_):
+                    store(dr, i, (load(gr, i) * wc - c_mean - ((load(xr, i) - mu) * rs)
+                                  * c_var) * rs)
+            else:
+                for i in range(s_):
+                    xh = (load(xr, i) - mu) * rs
+                    gi = act_grad(load(gr, i), xh * wc + bc, act)
+                    store(dr, i, (gi * wc - c_mean - xh * c_var) * rs)
 
 
 @njit(**JIT)

@@ -22,7 +22,7 @@ import torch
 
 from normkit.backends._memory import HUGE_MIN_BYTES, huge_pages_advised
 from normkit.backends.cpu import entries, tuning
-from normkit.backends.cpu.args import Work
+from normkit.backends.cpu.args import Work, float_bits
 from normkit.backends.torch_ops import stat_dtype
 
 __all__ = ["Rows", "Planes", "Columns", "ChannelsLast", "storage_proto"]
@@ -45,9 +45,20 @@ class _Family:
 
     #: whether the kernels read rows of channels (channels_last memory), not contiguous
     rows_of_channels = False
+    #: whether the family's BatchNorm kernels apply an activation (``act_stores``)
+    takes_activation = False
 
-    def __init__(self, x, grouping, center, fixed, params):
+    def __init__(self, x, grouping, center, fixed, params, act=None):
+        if act is not None and not (self.takes_activation and grouping.kind == "batch"):
+            raise ValueError(f"{type(self).__name__}: an activation is fused into BatchNorm "
+                             f"on NCHW planes or rows of channels only, not into "
+                             f"{grouping.kind!r} plans; apply {act.name} after the norm")
         self.grouping, self.center, self.fixed = grouping, bool(center), bool(fixed)
+        # the activation, as the entries read it: its code (0: none), and leaky_relu's
+        # slope as the bits of its float64 (args.float_bits)
+        self.activation = act
+        self.act = 0 if act is None else act.code
+        self.slope = float_bits(0.0 if act is None else act.slope)
         self.sdtype = stat_dtype(x.dtype)
         self.proto = storage_proto(x.dtype)
         self.sproto = np.empty(0, _NP_STAT[self.sdtype])
@@ -65,9 +76,9 @@ class Rows(_Family):
     """LayerNorm / RMSNorm over the rows of a contiguous (M, K) view: forward over the
     rows; backward over one chunk of rows per thread, each with its partial dw, db."""
 
-    def __init__(self, x, grouping, center, fixed):
+    def __init__(self, x, grouping, center, fixed, act=None):
         self.m, self.k = grouping.view
-        super().__init__(x, grouping, center, fixed, self.k)
+        super().__init__(x, grouping, center, fixed, self.k, act)
         self.ahead = tuning.rows_ahead(self.k, self.itemsize)
         self.chunks = self.threads
         self.forward_entry, self.backward_entry = entries.rows_forward, entries.rows_backward
@@ -85,9 +96,9 @@ def _ncs_shape(grouping):
 class _Channels(_Family):
     """Batch / Instance / GroupNorm: the (N, C, S) sizes, per-channel parameters."""
 
-    def __init__(self, x, grouping, center, fixed):
+    def __init__(self, x, grouping, center, fixed, act=None):
         self.n, self.c, self.s = _ncs_shape(grouping)
-        super().__init__(x, grouping, center, fixed, self.c)
+        super().__init__(x, grouping, center, fixed, self.c, act)
         self.groups = {"batch": self.c, "instance": self.c,
                        "group": grouping.view[1]}[grouping.kind]
 
@@ -96,10 +107,13 @@ class Planes(_Channels):
     """Contiguous NCHW: per channel (BatchNorm, blocks of channels) or per (sample, group)
     of planes (Instance/GroupNorm); planes under ``tuning.SMALL_PLANE`` in plain loops;
     eval BatchNorm on several threads over the N * C planes in memory order. The
-    backward's per-plane sums are added up in stage 1."""
+    backward's per-plane sums are added up in stage 1. BatchNorm's kernels take an
+    activation (``act``)."""
 
-    def __init__(self, x, grouping, center, fixed):
-        super().__init__(x, grouping, center, fixed)
+    takes_activation = True
+
+    def __init__(self, x, grouping, center, fixed, act=None):
+        super().__init__(x, grouping, center, fixed, act)
         by_channel = grouping.kind == "batch"
         self.small = self.s < tuning.SMALL_PLANE
         units = self.c if by_channel else self.n * self.groups
@@ -126,12 +140,14 @@ class Planes(_Channels):
 
 class Columns(_Channels):
     """BatchNorm on an (M, C) matrix of rows of channels: channels_last (M = N * S
-    positions) or (N, C); chunks of rows, each direction in three stages (``columns``)."""
+    positions) or (N, C); chunks of rows, each direction in three stages (``columns``);
+    an activation (``act``) too."""
 
     rows_of_channels = True
+    takes_activation = True
 
-    def __init__(self, x, grouping, center, fixed):
-        super().__init__(x, grouping, center, fixed)
+    def __init__(self, x, grouping, center, fixed, act=None):
+        super().__init__(x, grouping, center, fixed, act)
         self.m = self.n * self.s
         self.rows, self.run = tuning.cl_blocks(self.c, self.itemsize)
         self.chunks = -(-self.m // self.rows)
@@ -150,8 +166,8 @@ class ChannelsLast(_Channels):
 
     rows_of_channels = True
 
-    def __init__(self, x, grouping, center, fixed):
-        super().__init__(x, grouping, center, fixed)
+    def __init__(self, x, grouping, center, fixed, act=None):
+        super().__init__(x, grouping, center, fixed, act)
         self.rows, self.run = tuning.cl_blocks(self.c, self.itemsize)
         self.parts = tuning.parts(self.n, self.s, self.threads)
         self.sn, self.cg = self.groups, self.c // self.groups      # unit u = n * sn + c // cg

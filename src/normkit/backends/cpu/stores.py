@@ -41,7 +41,7 @@ from normkit.backends.cpu.tuning import PREFETCH_PIECE
 
 __all__ = ["add", "affine_per_channel", "affine_per_element", "affine_scalar",
            "dx_per_channel", "dx_rows_planes", "fence", "prefetch", "rows_store",
-           "span_store"]
+           "span_store", "where"]
 
 
 # ---- the output formulas ----------------------------------------------------------------
@@ -91,6 +91,32 @@ def dx_per_channel(g, x, mean, scale_g, scale_x, offset):
     return g * scale_g - (x - mean) * scale_x - offset
 
 
+# ---- selects (the activations' formulas, ``act_stores``) -------------------------------
+
+def where(c, a, b):
+    """``a if c else b``: in jitted code a select; on the LLVM values of the streamed
+    stores (``_Values``) a vector select."""
+    if isinstance(c, _Values):
+        return c.select(a, b)
+    return a if c else b
+
+
+@intrinsic
+def _select(typingctx, c, a, b):
+    """LLVM's ``select``: no branch (nor the phi of an inlined ``a if c else b``)."""
+    if not (isinstance(c, nbt.Boolean) and isinstance(a, nbt.Float) and a == b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.select(args[0], args[1], args[2])
+    return a(c, a, b), codegen
+
+
+@overload(where, inline="always")
+def _where_impl(c, a, b):
+    return lambda c, a, b: _select(c, a, b)
+
+
 # ---- streamed (non-temporal) stores -----------------------------------------------------
 
 class _Values:
@@ -111,6 +137,16 @@ class _Values:
 
     def __mul__(self, other):
         return self._op(other, "fmul")
+
+    def __lt__(self, other):
+        return _Values(self.builder, self.builder.fcmp_ordered("<", self.value, other.value))
+
+    def __gt__(self, other):
+        return _Values(self.builder, self.builder.fcmp_ordered(">", self.value, other.value))
+
+    def select(self, a, b):
+        """``a`` where this mask holds, else ``b`` (``where``)."""
+        return _Values(self.builder, self.builder.select(self.value, a.value, b.value))
 
 
 def _streamed_codegen(formula, n_arrays, n_scalars):
@@ -245,8 +281,13 @@ _LOADS = {
     3: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i), load(arrays[2], i)),
     4: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i), load(arrays[2], i),
                           load(arrays[3], i)),
+    5: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i), load(arrays[2], i),
+                          load(arrays[3], i), load(arrays[4], i)),
     6: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i), load(arrays[2], i),
                           load(arrays[3], i), load(arrays[4], i), load(arrays[5], i)),
+    7: lambda arrays, i: (load(arrays[0], i), load(arrays[1], i), load(arrays[2], i),
+                          load(arrays[3], i), load(arrays[4], i), load(arrays[5], i),
+                          load(arrays[6], i)),
 }
 _SLICES = {
     1: lambda arrays, i0, i1: (arrays[0][i0:i1],),
@@ -266,6 +307,11 @@ def _apply(formula):
         5: lambda t: f(t[0], t[1], t[2], t[3], t[4]),
         6: lambda t: f(t[0], t[1], t[2], t[3], t[4], t[5]),
         7: lambda t: f(t[0], t[1], t[2], t[3], t[4], t[5], t[6]),
+        8: lambda t: f(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]),
+        9: lambda t: f(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8]),
+        11: lambda t: f(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10]),
+        12: lambda t: f(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10],
+                        t[11]),
     }
     return register_jitable(inline="always")(calls[formula.__code__.co_argcount])
 
@@ -282,14 +328,14 @@ def _slice_each_impl(arrays, i0, i1):
 
 # ---- the drivers ---------------------------------------------------------------------
 
-def span_store(formula):
+def span_store(formula, streamed=True):
     """The driver ``store(dst, arrays, scalars, prefetch, stream)`` of ``formula`` (a
     jitable function): ``dst[i] = formula(*arrays[i], *scalars)`` over a span (one to
-    three arrays), streamed when ``stream``, with the lines of the two arrays of
-    ``prefetch`` (the x and g ahead; an empty array: none) fetched piece by piece
-    meanwhile (see the module docstring)."""
+    three arrays), streamed when ``stream`` (and ``streamed``: else ``stream`` is
+    ignored), with the lines of the two arrays of ``prefetch`` (the x and g ahead; an
+    empty array: none) fetched piece by piece meanwhile (see the module docstring)."""
     apply = _apply(formula)
-    streamed = _streamed(formula)
+    streamed = _streamed(formula) if streamed else None
 
     def plain_loop(dst, arrays, scalars):
         for i in range(dst.shape[0]):
@@ -309,7 +355,7 @@ def span_store(formula):
         def pieces(dst, arrays, scalars, prefetch, stream):
             n = dst.shape[0]
             ahead_a, ahead_b = prefetch                            # once, not per piece
-            if stream:
+            if stream and streamed is not None:
                 for i0 in range(0, n, PREFETCH_PIECE):
                     i1 = min(n, i0 + PREFETCH_PIECE)
                     streamed(dst[i0:i1], _slice_each(arrays, i0, i1), scalars)
@@ -328,40 +374,42 @@ def span_store(formula):
     return driver
 
 
-def rows_store(formula):
-    """The driver ``store(dst, row_arrays, channel_arrays, c_, r0, r1, stream)`` of a
-    per-channel ``formula`` over the rows [r0, r1) of C elements of one channels_last
-    sample: ``dst[r*C + c] = formula(*row_arrays[r*C + c], *channel_arrays[c])``, a row
-    at a time, streamed when ``stream``. One call walks a whole range of rows: a call per
-    row of C elements would cost more than the row (see ``span_store``)."""
+def rows_store(formula, streamed=True):
+    """The driver ``store(dst, row_arrays, channel_arrays, c_, r0, r1, stream,
+    scalars=())`` of a per-channel ``formula`` over the rows [r0, r1) of C elements of one
+    channels_last sample: ``dst[r*C + c] = formula(*row_arrays[r*C + c],
+    *channel_arrays[c], *scalars)``, a row at a time, streamed when ``stream`` (and
+    ``streamed``). One call walks a whole range of rows: a call per row of C elements
+    would cost more than the row (see ``span_store``)."""
     apply = _apply(formula)
-    streamed = _streamed(formula)
+    streamed = _streamed(formula) if streamed else None
 
     @register_jitable
-    def plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1):
+    def plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1, scalars):
         for r in range(r0, r1):
             d = dst[r * c_:(r + 1) * c_]                               # C
             arrays = _slice_each(row_arrays, r * c_, (r + 1) * c_) + channel_arrays
             for c in range(c_):
-                store(d, c, apply(_load_each(arrays, c)))
+                store(d, c, apply(_load_each(arrays, c) + scalars))
 
-    def driver(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
+    def driver(dst, row_arrays, channel_arrays, c_, r0, r1, stream, scalars=()):
         """``formula`` stored over rows."""
 
     @overload(driver)
-    def _driver_impl(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
-        if is_half(dst):
-            def half_rows(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
-                plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1)
-            return half_rows
+    def _driver_impl(dst, row_arrays, channel_arrays, c_, r0, r1, stream, scalars=()):
+        if is_half(dst) or streamed is None:
+            def plain_only(dst, row_arrays, channel_arrays, c_, r0, r1, stream, scalars=()):
+                plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1, scalars)
+            return plain_only
 
-        def each_row(dst, row_arrays, channel_arrays, c_, r0, r1, stream):
+        def each_row(dst, row_arrays, channel_arrays, c_, r0, r1, stream, scalars=()):
             if not stream:
-                plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1)
+                plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1, scalars)
                 return
             for r in range(r0, r1):
                 streamed(dst[r * c_:(r + 1) * c_],
-                         _slice_each(row_arrays, r * c_, (r + 1) * c_) + channel_arrays, ())
+                         _slice_each(row_arrays, r * c_, (r + 1) * c_) + channel_arrays,
+                         scalars)
         return each_row
 
     driver.__name__ = driver.__qualname__ = f"store_rows_{formula.__name__}"
