@@ -148,6 +148,9 @@ MODELS = {
                _siglip, lambda: images(8, 224), ("train", "infer")),
     "resnet18": ("ResNetModel, ResNet-18 config, batch 16, 224 px",
                  _resnet18, lambda: images(16, 224), ("train", "infer")),
+    "resnet18-fused": ("ResNetModel, ResNet-18 config, batch 16, 224 px, converted with "
+                       "fuse_activation=True", _resnet18, lambda: images(16, 224),
+                       ("train", "infer")),
     "resnet18-small": ("ResNetModel, ResNet-18 config, batch 2, 64 px",
                        _resnet18, lambda: images(2, 64), ("train", "infer")),
     "study-cnn-b2": ("the study's digits CNN (8x8, 16-64 channels, BatchNorm2d), batch 2",
@@ -182,6 +185,8 @@ MODELS = {
                         _efficientnet_b0, lambda: images(8, 128), ("train", "infer")),
 }
 QUICK_MODELS = ("study-cnn-b2",)
+#: the rows converted with options (``normkit.convert``'s keywords)
+CONVERT = {"resnet18-fused": dict(fuse_activation=True)}
 
 
 def _output(model, x):
@@ -228,14 +233,15 @@ def saved_bytes(model, x):
     return sum(seen.values())
 
 
-def _pair(build):
-    """(untouched, converted, swapped count) with equal weights."""
+def _pair(build, **options):
+    """(untouched, converted, swapped count) with equal weights; ``options`` for
+    ``normkit.convert``."""
     import normkit
 
     torch.manual_seed(0)
     plain = build()
     converted = copy.deepcopy(plain)
-    report = normkit.convert(converted)
+    report = normkit.convert(converted, **options)
     return plain, report.model, len(report.swapped) + len(report.routed)
 
 
@@ -269,7 +275,7 @@ def measure_model(name, mode, repeats=5, min_seconds=0.3, device="cpu", control=
     equal models reads on this machine. The models take turns in each round, in the
     reverse order every other round, so that none is always timed first or last."""
     desc, build, make_input, _ = MODELS[name]
-    plain, converted, count = _pair(build)
+    plain, converted, count = _pair(build, **CONVERT.get(name, {}))
     plain, converted = plain.to(device), converted.to(device)
     x = make_input().to(device)
     fn = train_step if mode == "train" else infer_step

@@ -36,7 +36,8 @@ def register(subparsers):
                         "train rows also count the bytes saved for backward), and "
                         "the per-call cost of small norms against torch.nn "
                         "(normkit.bench.models); names restrict the models: "
-                        "siglip resnet18 resnet18-small study-cnn-b2 study-cnn-b32 "
+                        "siglip resnet18 resnet18-fused resnet18-small study-cnn-b2 "
+                        "study-cnn-b32 "
                         "resnet18-cl study-cnn-b32-cl convnext bit mlp-bn1d llama gemma "
                         "llama-bf16 resnet50 mobilenetv2 efficientnet-b0 (default: all; with "
                         "--quick: study-cnn-b2)")
