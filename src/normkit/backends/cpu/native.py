@@ -34,6 +34,10 @@ from normkit.backends.cpu import args
 
 __all__ = ["build", "extension", "enabled", "switch"]
 
+#: the extension's C++ sources, in this package: the executor, and what it does to tensors
+#: beside running kernels
+SOURCES = ("native.cpp", "native_support.cpp")
+
 
 def build(family, x):
     """The C++ ``Plan`` that runs the calls of ``family`` (a ``plans`` object built for
@@ -89,13 +93,13 @@ def switch(on: bool) -> None:
 
 
 def _load():
-    source = Path(__file__).with_name("native.cpp")
+    sources = [Path(__file__).with_name(name) for name in SOURCES]
     try:
         from torch.utils import cpp_extension
 
-        _say_if_building(cpp_extension, source)
+        _say_if_building(cpp_extension, sources)
         with _ninja_on_path():
-            ext = cpp_extension.load(name="normkit_native", sources=[str(source)],
+            ext = cpp_extension.load(name="normkit_native", sources=[str(s) for s in sources],
                                      extra_cflags=["-O2"])
         ext.set_slots(args.SLOTS)
         team = _parallel.team_addresses()
@@ -111,13 +115,13 @@ def _load():
         return False
 
 
-def _say_if_building(cpp_extension, source) -> None:
-    """One line on standard error before a build (none built for this source yet): what,
+def _say_if_building(cpp_extension, sources) -> None:
+    """One line on standard error before a build (none built for these sources yet): what,
     how long, and how to do it ahead of time."""
     folder = Path(cpp_extension._get_build_directory("normkit_native", False))
-    newer = source.stat().st_mtime
+    newer = max(source.stat().st_mtime for source in sources)
     ninja = folder / "build.ninja"
-    if (ninja.exists() and str(source) in ninja.read_text()
+    if (ninja.exists() and all(str(source) in ninja.read_text() for source in sources)
             and any(p.stat().st_mtime >= newer for p in folder.glob("normkit_native*.so"))):
         return
     print("normkit: compiling its C++ executor once for this machine (about 30-60 s); "
