@@ -345,7 +345,8 @@ tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, con
   auto options = x.options().dtype(p.sdtype());
   Tensor dw = at::empty({p.ones.numel()}, options), db = at::empty({p.ones.numel()}, options);
   Tensor wk = p.param(w, p.ones), ms = p.stat(mean), rs = p.stat(rstd);
-  Tensor bk = p.activation.empty() ? Tensor() : p.param(b, p.zeros);
+  // the bias a plan with an activation reads (its z); else the plan's zeros, never read
+  Tensor bk = p.activation.empty() ? p.zeros : p.param(b, p.zeros);
   int64_t a[kMaxSlots];
   std::copy(p.base.begin(), p.base.end(), a);
   a[slot.g] = address(g), a[slot.x] = address(x), a[slot.dx] = address(dx);
