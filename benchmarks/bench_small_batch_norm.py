@@ -13,25 +13,13 @@ checkout with ``PYTHONPATH=<checkout>/src``, the checkouts taking turns.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import normkit.nn as nknn
+from normkit.bench.models import per_call_us    # best round of the thread's CPU time
 
 CASES = [((64, 128), False), ((256, 512), False), ((8, 64, 8, 8), True)]
-
-
-def per_call_us(fn, calls, repeats):
-    for _ in range(calls // 10 + 10):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.thread_time()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.thread_time() - t0) / calls * 1e6)
-    return best
 
 
 def main():
