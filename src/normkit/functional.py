@@ -441,10 +441,11 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
 
     ``h`` is computed in the input dtype (as ``x + residual`` is), then normalized as
     ``layer_norm`` does (biased variance over ``normalized_shape``, fp32 statistics).
-    Gradients flow to ``x`` and ``residual`` through both outputs. On the CPU executor and
-    on CUDA with triton installed this is one pass each way (x and residual read once, h
-    and y written together), with the bits of ``x + residual`` followed by
-    ``layer_norm``; elsewhere (and traced) it is that add followed by the norm.
+    Gradients flow to ``x`` and ``residual`` through both outputs. On CUDA with triton
+    installed, and on the CPU executor for inputs that outrun the last-level cache, this is
+    one pass each way (x and residual read once, h and y written together), with the bits
+    of ``x + residual`` followed by ``layer_norm``; elsewhere (and traced) it is that add
+    followed by the norm.
 
     ``memory_saving=True`` (default: ``normkit.backends.memory_saving``'s setting) keeps
     the output instead of ``h`` for the backward and recomputes the normalized input as
