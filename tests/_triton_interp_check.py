@@ -3,14 +3,15 @@
 
     TRITON_INTERPRET=1 python tests/_triton_interp_check.py FAMILY
 
-runs every case of FAMILY (``rows``, ``add``, ``units``, ``dispatch``, ``variants``: the
-first three with every kernel switch of ``normkit.backends.gpu`` on its other side) and prints one
-JSON line ``{"passed": [...], "failed": [[case, message], ...]}``. Each case calls the
-GPU backend's ``forward``/``backward`` (or the fused residual-add functions) directly
-and compares them with the float64 NumPy reference ``normkit.reference`` (or, for
-``dispatch``, runs the public ops through the dispatch with the backend accepting CPU
-tensors, against ``torch.nn.functional``). Block sizes are shrunk on some cases so that
-every loop of the kernels (blocks of a row, tiles, parts of the positions) runs.
+runs every case of FAMILY (``rows``, ``add``, ``units``, ``act``, ``dispatch``,
+``variants``: the first four with every kernel switch of ``normkit.backends.gpu`` on its
+other side) and prints one JSON line ``{"passed": [...], "failed": [[case, message],
+...]}``. Each case calls the GPU backend's ``forward``/``backward`` (or the fused
+residual-add functions) directly and compares them with the float64 NumPy reference
+``normkit.reference`` (or, for ``dispatch``, runs the public ops through the dispatch
+with the backend accepting CPU tensors, against ``torch.nn.functional``). Block sizes are
+shrunk on some cases so that every loop of the kernels (blocks of a row, tiles, parts of
+the positions) runs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from normkit import grouping as G  # noqa: E402
 from normkit import reference as R  # noqa: E402
+from normkit.activation import resolve  # noqa: E402
 from normkit.backends import gpu  # noqa: E402
 
 # (atol, rtol) of outputs and of gradients (gradients: atol scaled by their magnitude)
@@ -75,25 +77,36 @@ def _data(shape, dtype, seed, layout="contiguous", offset=0.0):
 
 
 def check_norm(grouping, shape, dtype, affine, center=True, layout="contiguous",
-               fixed=False, seed=0, offset=0.0, grad_layout="contiguous"):
+               fixed=False, seed=0, offset=0.0, grad_layout="contiguous", act=None):
     """Backend forward/backward vs ``reference.normalize_*`` for one grouping; the
-    gradient is contiguous, or in x's layout with ``grad_layout="same"``."""
+    gradient is contiguous, or in x's layout with ``grad_layout="same"``. ``act`` (an
+    activation name, or ``(name, slope)``): BatchNorm followed by it, fused, vs
+    ``reference.activation_*`` of the reference's output."""
+    if act is not None:
+        act = resolve(*((act,) if isinstance(act, str) else act))
+    extra = {} if act is None else {"act": act}
     x, gen = _data(shape, dtype, seed, layout, offset)
     xv = x.view(grouping.view)
     c = grouping.view[-1] if grouping.kind == "layer" else shape[1]
     w = torch.randn(c, generator=gen) if affine else None
     b = torch.randn(c, generator=gen) if affine and center else None
+    if act is not None and affine:
+        w = w * 4                                   # z crosses relu6's top and silu's bend
     mean = rstd = None
     if fixed:                                                      # running statistics
         rm, rv = torch.randn(c, generator=gen), torch.rand(c, generator=gen) + 0.5
         mean = rm.view(1, c, 1).expand(grouping.stat_shape)
         rstd = torch.rsqrt(rv + 1e-5).view(1, c, 1).expand(grouping.stat_shape)
-    y, m, rs, var = gpu.forward(xv, grouping, w, b, 1e-5, center, mean, rstd)
+    y, m, rs, var = gpu.forward(xv, grouping, w, b, 1e-5, center, mean, rstd, **extra)
     assert y.dtype == dtype and y.stride() == xv.stride(), "output dtype or layout changed"
     ref_y, cache = R.normalize_forward(xv.double().numpy(), grouping, None if w is None else
                                        w.numpy(), None if b is None else b.numpy(), 1e-5,
                                        center, None if mean is None else mean.double().numpy(),
                                        None if rstd is None else rstd.double().numpy())
+    z = ref_y
+    if act is not None:
+        ref_y = R.activation_forward(z, act.name, act.slope)
+        extra["bias"] = b
     close(y, ref_y, dtype, "y")
     if not fixed:
         assert m.dtype == torch.float32 and rs.dtype == torch.float32, "statistics not fp32"
@@ -107,8 +120,11 @@ def check_norm(grouping, shape, dtype, affine, center=True, layout="contiguous",
         g = torch.empty_like(x).copy_(g)
     gv = g.view(grouping.view)
     needs = (True, affine, affine and center)
-    dx, dw, db = gpu.backward(gv, xv, m, rs, w, grouping, center, fixed, needs)
-    rdx, rdw, rdb = R.normalize_backward(gv.double().numpy(), cache)
+    dx, dw, db = gpu.backward(gv, xv, m, rs, w, grouping, center, fixed, needs, **extra)
+    g_ref = gv.double().numpy()
+    if act is not None:                                            # g' = g * act'(z)
+        g_ref = g_ref * R.activation_derivative(z, act.name, act.slope)
+    rdx, rdw, rdb = R.normalize_backward(g_ref, cache)
     close(dx, rdx, dtype, "dx", grad=True)
     assert dx.stride() == xv.stride(), "dx layout differs from x"
     if affine:
@@ -232,6 +248,35 @@ def cases_units():
     ]
 
 
+def cases_act():
+    """BatchNorm followed by each activation, fused in the ``_nc_*`` kernels: training and
+    eval, NCHW, channels_last and (N, C), fp32/bf16/fp16."""
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    s4 = (2, 3, 5, 5)
+    return [
+        ("batch+relu 2x3x5x5 fp32 contiguous", False,
+         lambda: check_norm(G.batch(s4), s4, f32, True, act="relu")),
+        ("batch+relu6 2x3x5x5 fp32 channels_last, small tiles", True,
+         lambda: check_norm(G.batch(s4), s4, f32, True, layout="channels_last", act="relu6")),
+        ("batch+leaky_relu(0.2) 2x3x5x5 bf16 contiguous, small tiles", True,
+         lambda: check_norm(G.batch(s4), s4, bf16, True, act=("leaky_relu", 0.2))),
+        ("batch+silu 2x3x5x5 fp16 channels_last", False,
+         lambda: check_norm(G.batch(s4), s4, f16, True, layout="channels_last", act="silu")),
+        ("batch+relu 2x3x5x5 fp32 eval (fixed stats)", False,
+         lambda: check_norm(G.batch(s4), s4, f32, True, fixed=True, act="relu")),
+        ("batch+silu 2x3x5x5 fp32 channels_last eval (fixed stats)", False,
+         lambda: check_norm(G.batch(s4), s4, f32, True, layout="channels_last", fixed=True,
+                            act="silu")),
+        ("batch+relu6 3x4x7 bf16 eval (fixed stats), small tiles", True,
+         lambda: check_norm(G.batch((3, 4, 7)), (3, 4, 7), bf16, True, fixed=True,
+                            act="relu6")),
+        ("batch+relu 37x5 fp32 (N, C), small tiles", True,
+         lambda: check_norm(G.batch((37, 5)), (37, 5), f32, True, act="relu")),
+        ("batch+leaky_relu(0.01) 2x3x5x5 fp32 no affine", False,
+         lambda: check_norm(G.batch(s4), s4, f32, False, act=("leaky_relu", 0.01))),
+    ]
+
+
 def _via_dispatch():
     """Let the dispatch hand CPU tensors to the GPU backend (interpreter mode only)."""
     from normkit import backends
@@ -271,6 +316,10 @@ def check_public(op, shape, dtype, layout="contiguous"):
         rm, rv = torch.zeros(c, dtype=dtype), torch.ones(c, dtype=dtype)
         if op == "batch_norm":
             y = lib.batch_norm(xi, rm, rv, w, b, training=True, momentum=0.3)
+        elif op == "batch_norm_silu":                 # fused in normkit, composed in torch
+            y = (NF.batch_norm_act(xi, rm, rv, w, b, training=True, momentum=0.3,
+                                   activation="silu") if lib is NF else
+                 F.silu(F.batch_norm(xi, rm, rv, w, b, training=True, momentum=0.3)))
         elif op == "group_norm":
             y = lib.group_norm(xi, 2, w, b)
         else:
@@ -283,7 +332,7 @@ def check_public(op, shape, dtype, layout="contiguous"):
     close(y, ty.double(), dtype, "y")
     for name, a, e in zip(("dx", "dweight", "dbias"), gr, tgr):
         close(a, e.double(), dtype, name, grad=True)
-    if op == "batch_norm":
+    if op.startswith("batch_norm"):
         close(rm, trm.double(), dtype, "running_mean")
         close(rv, trv.double(), dtype, "running_var")
 
@@ -329,6 +378,8 @@ def cases_dispatch():
          lambda: check_public("batch_norm", (2, 3, 5, 5), f32)),
         ("batch_norm 2x3x5x5 bf16 channels_last training", False,
          lambda: check_public("batch_norm", (2, 3, 5, 5), bf16, "channels_last")),
+        ("batch_norm_act silu 2x3x5x5 fp32 channels_last training", False,
+         lambda: check_public("batch_norm_silu", (2, 3, 5, 5), f32, "channels_last")),
         ("group_norm 2x4x3x3 fp32", False, lambda: check_public("group_norm", (2, 4, 3, 3), f32)),
         ("layer_norm 5x130 fp32", False, lambda: check_public("layer_norm", (5, 130), f32)),
     ]
@@ -338,10 +389,12 @@ def cases_variants():
     for k, v in SWITCHED.items():
         setattr(gpu, k, v)
     return [(f"{name} [switched]", small, fn)
-            for cases in (cases_rows, cases_add, cases_units) for name, small, fn in cases()]
+            for cases in (cases_rows, cases_add, cases_units, cases_act)
+            for name, small, fn in cases()]
 
 
-FAMILIES = dict(rows=cases_rows, add=cases_add, units=cases_units, dispatch=cases_dispatch,
+FAMILIES = dict(rows=cases_rows, add=cases_add, units=cases_units, act=cases_act,
+                dispatch=cases_dispatch,
                 variants=cases_variants)
 
 

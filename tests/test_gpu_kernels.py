@@ -114,7 +114,7 @@ def test_skipped_without_triton():
 # ---------------------------------------------------------------------------------------
 
 @needs_triton
-@pytest.mark.parametrize("family", ["rows", "add", "units", "dispatch", "variants"])
+@pytest.mark.parametrize("family", ["rows", "add", "units", "act", "dispatch", "variants"])
 def test_kernels_in_interpreter(family):
     env = dict(os.environ, TRITON_INTERPRET="1")
     src = os.path.join(os.path.dirname(HERE), "src")
@@ -172,6 +172,45 @@ class TestCuda:
                          rm, rv))
         gr = _grouping(case, x, groups)
         assert backends.select(x.reshape(gr.view), gr, case != "rms", case == "batch_eval") is gpu
+        (y, g, rm, rv), (ty, tg, trm, trv) = outs
+        assert_close(y, ty, dtype=dtype)
+        for a, e in zip(g, tg):
+            assert_close(a, e, dtype=dtype, grad=True)
+        assert_close(rm, trm, dtype=dtype)
+        assert_close(rv, trv, dtype=dtype)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize("act", ["relu", "relu6", "leaky_relu", "silu"])
+    @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+    @pytest.mark.parametrize("training", [True, False])
+    def test_batch_norm_act_matches_torch(self, dtype, act, layout, training):
+        """BatchNorm + activation fused in the Triton kernels vs torch's BatchNorm then
+        the activation: values, gradients, running statistics."""
+        from normkit import grouping as G
+        from normkit.activation import resolve
+        from normkit.backends import gpu
+
+        shape = (4, 64, 17, 9)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(shape, generator=gen).to("cuda", dtype)
+        if layout == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        w = (torch.randn(64, generator=gen) * 4).to("cuda", dtype).requires_grad_(True)
+        b = torch.randn(64, generator=gen).to("cuda", dtype).requires_grad_(True)
+        gy = torch.randn(shape, generator=gen).to("cuda", dtype)
+        outs = []
+        for fused in (True, False):
+            xi = x.clone().requires_grad_(True)
+            rm = torch.full((64,), 0.25, device="cuda", dtype=dtype)
+            rv = torch.full((64,), 2.0, device="cuda", dtype=dtype)
+            if fused:
+                y = NF.batch_norm_act(xi, rm, rv, w, b, training=training, activation=act)
+            else:
+                y = getattr(F, act)(F.batch_norm(xi, rm, rv, w, b, training=training))
+            outs.append((y, torch.autograd.grad((y.float() * gy.float()).sum(), (xi, w, b)),
+                         rm, rv))
+        gr = G.batch(shape)
+        assert backends.select(x.reshape(gr.view), gr, True, not training, resolve(act)) is gpu
         (y, g, rm, rv), (ty, tg, trm, trv) = outs
         assert_close(y, ty, dtype=dtype)
         for a, e in zip(g, tg):

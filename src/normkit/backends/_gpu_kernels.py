@@ -3,9 +3,11 @@
 ``_rows_*`` LayerNorm / RMSNorm over the rows of an (M, K) view (last dim contiguous),
 optionally adding a residual first; ``_nc_*`` Batch/Instance/GroupNorm over an (N, C, S)
 view with any strides, per-(n, c) partials over tiles of (channels x positions), as the
-CPU backend's ``normkit.backends.cpu.channels_last``. fp32 statistics, one cast of each
-output; every kernel loops over blocks of its row or tile, so any size works. The math
-and its derivation: ``normkit.reference``; launchers and block sizes: ``backends.gpu``.
+CPU backend's ``normkit.backends.cpu.channels_last``, BatchNorm optionally followed by an
+activation in its store (``_act``; its derivative in the backward's sums and dx). fp32
+statistics, one cast of each output; every kernel loops over blocks of its row or tile,
+so any size works. The math and its derivation: ``normkit.reference``; launchers and
+block sizes: ``backends.gpu``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,40 @@ def _chan_merge(count, mean, m2, n_new, mean_new, m2_new):
     mean = mean + delta * (n_new / (count + n_new))
     m2 = m2 + m2_new + delta * delta * (count * n_new / (count + n_new))
     return count + n_new, mean, m2
+
+
+@triton.jit
+def _act(z, ACT: tl.constexpr, slope):
+    """``act(z)`` for the code ACT of ``normkit.activation.CODES`` (0: none, 1 relu, 2 relu6,
+    3 leaky_relu, 4 silu), as torch's kernels and the CPU stores compute it: selects, so
+    NaN and -0.0 pass relu's clamp; silu ``z / (1 + exp(-z))``."""
+    if ACT == 1:
+        z = tl.where(z < 0.0, 0.0, z)
+    if ACT == 2:
+        z = tl.where(z < 0.0, 0.0, z)
+        z = tl.where(z > 6.0, 6.0, z)
+    if ACT == 3:
+        z = tl.where(z < 0.0, z * slope, z)
+    if ACT == 4:
+        z = z / (1.0 + tl.exp(-z))
+    return z
+
+
+@triton.jit
+def _act_grad(g, z, ACT: tl.constexpr, slope):
+    """``g * act'(z)``, at the kinks as torch's backward takes them (relu: 0 at z <= 0;
+    relu6: 0 at z <= 0 and z >= 6; leaky_relu: ``g * slope`` at z <= 0; silu:
+    ``g * s * (1 + z * (1 - s))``, s = sigmoid(z))."""
+    if ACT == 1:
+        g = tl.where(z > 0.0, g, 0.0)
+    if ACT == 2:
+        g = tl.where((z > 0.0) & (z < 6.0), g, 0.0)
+    if ACT == 3:
+        g = tl.where(z > 0.0, g, g * slope)
+    if ACT == 4:
+        s = 1.0 / (1.0 + tl.exp(-z))
+        g = g * (s * (1.0 + z * (1.0 - s)))
+    return g
 
 
 # -- rows: LayerNorm / RMSNorm (+ residual) ----------------------------------------------
@@ -354,14 +390,30 @@ def _nc_stats_kernel(PMean, PM2, Mean, MeanLo, Var, Rstd, N_PER, P, C, G, CG, S,
 
 
 @triton.jit
-def _nc_grad_sums_kernel(G, X, Mean, Rstd, PSg, PSgx, C, S, CG, stat_sn, s_per_part,
-                         sgn, sgc, sgs, sxn, sxc, sxs, BLOCK_C: tl.constexpr,
+def _pre_act(W, B, cs, cmask, rs, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """The forward's per-channel coefficients of ``z = (x - mu) * zs + zb``: ``zs = rstd *
+    w``, ``zb = b`` (BLOCK_C, 1), from which the backward of an activation recomputes z."""
+    zs = rs
+    if HAS_W:
+        zs = rs * tl.load(W + cs, mask=cmask, other=0.0).to(tl.float32)
+    zb = tl.zeros_like(rs)
+    if HAS_B:
+        zb = tl.load(B + cs, mask=cmask, other=0.0).to(tl.float32)
+    return zs[:, None], zb[:, None]
+
+
+@triton.jit
+def _nc_grad_sums_kernel(G, X, Mean, Rstd, W, B, PSg, PSgx, C, S, CG, stat_sn, s_per_part,
+                         sgn, sgc, sgs, sxn, sxc, sxs, slope, HAS_W: tl.constexpr,
+                         HAS_B: tl.constexpr, ACT: tl.constexpr, BLOCK_C: tl.constexpr,
                          BLOCK_S: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr):
     """Per-(n, c) partial sums of ``g`` and ``g * xhat`` over one range of positions (the
     tiling of ``_nc_moments_kernel``, ``LANES``: summed per element, reduced after the
     loop); Mean, Rstd: the statistics of each (sample, group), read as in
     ``_nc_affine_kernel``. These are dbias and dweight before the sums over parts and
-    samples, and the terms of the group sums c_var, c_mean."""
+    samples, and the terms of the group sums c_var, c_mean. With an activation (``ACT``)
+    ``g`` is ``g * act'(z)``, ``z = (x - mu) * rstd * w + b`` recomputed as the affine
+    kernel's backward recomputes it (W, B are read for that alone)."""
     n = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p = tl.program_id(2)
@@ -371,6 +423,7 @@ def _nc_grad_sums_kernel(G, X, Mean, Rstd, PSg, PSgx, C, S, CG, stat_sn, s_per_p
     st = n * stat_sn + cs // CG
     mu = tl.load(Mean + st, mask=cmask, other=0.0).to(tl.float32)  # BLOCK_C
     rs = tl.load(Rstd + st, mask=cmask, other=0.0).to(tl.float32)
+    zs, zb = _pre_act(W, B, cs, cmask, rs, HAS_W, HAS_B)           # BLOCK_C, 1
     sg = tl.zeros([BLOCK_C], dtype=tl.float32)
     sgx = tl.zeros([BLOCK_C], dtype=tl.float32)
     lg = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
@@ -383,6 +436,8 @@ def _nc_grad_sums_kernel(G, X, Mean, Rstd, PSg, PSgx, C, S, CG, stat_sn, s_per_p
         g = tl.load(G + n * sgn + c64 * sgc + s64 * sgs, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(X + n * sxn + c64 * sxc + s64 * sxs, mask=mask, other=0.0).to(tl.float32)
         xh = (x - mu[:, None]) * rs[:, None]                       # BLOCK_C, BLOCK_S
+        if ACT != 0:
+            g = _act_grad(g, (x - mu[:, None]) * zs + zb, ACT, slope)
         if LANES:
             lg += g
             lgx += g * xh
@@ -439,10 +494,10 @@ def _nc_grad_stats_kernel(PSg, PSgx, W, CVar, CMean, N_PER, P, C, G, CG, S,
 
 @triton.jit
 def _nc_affine_kernel(X, G, Y, Mean, MeanLo, Rstd, CVar, CMean, W, B, C, S, CG, stat_sn,
-                      s_per_part, sxn, sxc, sxs, sgn, sgc, sgs, syn, syc, sys_,
+                      s_per_part, sxn, sxc, sxs, sgn, sgc, sgs, syn, syc, sys_, slope,
                       HAS_G: tl.constexpr, FIXED: tl.constexpr, HAS_LO: tl.constexpr,
-                      HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_C: tl.constexpr,
-                      BLOCK_S: tl.constexpr, STAGES: tl.constexpr):
+                      HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                      BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr):
     """``y = (x - mu) * a + b (+ g * scale_g)``, the coefficients made per channel from
     the statistics of its (sample, group): ``Mean``, ``Rstd`` (and ``CVar``, ``CMean``)
     at ``n * stat_sn + c // CG`` (stat_sn = 0: one statistic per group for every sample).
@@ -451,7 +506,9 @@ def _nc_affine_kernel(X, G, Y, Mean, MeanLo, Rstd, CVar, CMean, W, B, C, S, CG, 
     ``a = -rstd^2 * c_var``, ``b = -rstd * c_mean``, i.e. ``dx = rstd * (g * w - c_mean -
     xhat * c_var)``; with ``FIXED`` (statistics that are constants) ``a = b = 0``.
     With ``HAS_LO`` the mean is fp32 ``Mean + MeanLo`` (hi + lo),
-    subtracted before scaling: ``(x - hi) - lo`` keeps the digits of inputs far from 0."""
+    subtracted before scaling: ``(x - hi) - lo`` keeps the digits of inputs far from 0.
+    With an activation (``ACT``, BatchNorm's): the forward stores ``act(y)``, the backward
+    takes ``g * act'(z)`` for g, z recomputed as in ``_nc_grad_sums_kernel``."""
     n = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     p = tl.program_id(2)
@@ -464,22 +521,17 @@ def _nc_affine_kernel(X, G, Y, Mean, MeanLo, Rstd, CVar, CMean, W, B, C, S, CG, 
     if HAS_LO:
         mu_lo = tl.load(MeanLo + st, mask=cmask, other=0.0)
     rs = tl.load(Rstd + st, mask=cmask, other=0.0).to(tl.float32)
-    scale = rs
-    if HAS_W:
-        scale = rs * tl.load(W + cs, mask=cmask, other=0.0).to(tl.float32)
+    scale, zb = _pre_act(W, B, cs, cmask, rs, HAS_W, HAS_B)        # BLOCK_C, 1
     if HAS_G:
         if FIXED:
-            a = tl.zeros([BLOCK_C], dtype=tl.float32)
-            b = tl.zeros([BLOCK_C], dtype=tl.float32)
+            a = tl.zeros([BLOCK_C, 1], dtype=tl.float32)
+            b = tl.zeros([BLOCK_C, 1], dtype=tl.float32)
         else:
-            a = -rs * rs * tl.load(CVar + st, mask=cmask, other=0.0)
-            b = -rs * tl.load(CMean + st, mask=cmask, other=0.0)
+            a = (-rs * rs * tl.load(CVar + st, mask=cmask, other=0.0))[:, None]
+            b = (-rs * tl.load(CMean + st, mask=cmask, other=0.0))[:, None]
     else:
-        a = scale
-        b = tl.zeros([BLOCK_C], dtype=tl.float32)
-        if HAS_B:
-            b = tl.load(B + cs, mask=cmask, other=0.0).to(tl.float32)
-    mu, a, b, scale = mu[:, None], a[:, None], b[:, None], scale[:, None]   # BLOCK_C, 1
+        a, b = scale, zb
+    mu = mu[:, None]                                               # BLOCK_C, 1
     if HAS_LO:
         mu_lo = mu_lo[:, None]
     c64 = cs[:, None].to(tl.int64)
@@ -490,6 +542,10 @@ def _nc_affine_kernel(X, G, Y, Mean, MeanLo, Rstd, CVar, CMean, W, B, C, S, CG, 
         x = tl.load(X + n * sxn + c64 * sxc + s64 * sxs, mask=mask, other=0.0).to(tl.float32)
         y = ((x - mu) - mu_lo) * a + b                             # BLOCK_C, BLOCK_S
         if HAS_G:
-            g = tl.load(G + n * sgn + c64 * sgc + s64 * sgs, mask=mask, other=0.0)
-            y = y + g.to(tl.float32) * scale
+            g = tl.load(G + n * sgn + c64 * sgc + s64 * sgs, mask=mask, other=0.0).to(tl.float32)
+            if ACT != 0:
+                g = _act_grad(g, (x - mu) * scale + zb, ACT, slope)
+            y = y + g * scale
+        else:
+            y = _act(y, ACT, slope)
         tl.store(Y + n * syn + c64 * syc + s64 * sys_, y.to(Y.dtype.element_ty), mask=mask)

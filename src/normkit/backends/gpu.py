@@ -1,7 +1,8 @@
 """GPU backend: fused Triton kernels for every normalization on CUDA tensors.
 
 Same interface as ``normkit.backends.torch_ops`` (``supports``, ``forward``,
-``backward``), plus the residual-add variant used by ``normkit.functional.add_layer_norm``
+``backward``; ``supports_activation``: BatchNorm followed by its activation, fused), plus
+the residual-add variant used by ``normkit.functional.add_layer_norm``
 and ``add_rms_norm`` (``fused_add_forward``, ``fused_add_backward``). The dispatch in
 ``normkit.backends`` skips this module when triton (the ``gpu`` extra) is not installed:
 importing it raises ImportError then. Triton and the kernels
@@ -267,27 +268,34 @@ def _stat_tile(groups, partials):
     return max(1, min(_pow2(partials), STAT_TILE_MAX // block_g)), block_g
 
 
+def _act_args(act):
+    """``(ACT, slope)`` of the kernels for a ``normkit.activation.Activation`` or None."""
+    return (0, 0.0) if act is None else (act.code, float(act.slope))
+
+
 def _launch_affine(x3, g3, out3, grouping, stats, weight, bias, c_var_mean, tiles,
-                   fixed=False):
+                   fixed=False, act=None):
     """``_nc_affine_kernel`` over the (N, C, S) views; ``stats = (mean, mean_lo, rstd)``
-    flat per (sample or 1, group), ``mean_lo`` may be None."""
+    flat per (sample or 1, group), ``mean_lo`` may be None; ``act``: the activation (the
+    backward's ``bias`` then is the forward's, to recompute z)."""
     n, c, s = x3.shape
     block_c, block_s, parts, spp = tiles
     mean, mean_lo, rstd = stats
     groups, cg = _groups(grouping, c)
     g = x3 if g3 is None else g3
     cv, cm = (rstd, rstd) if c_var_mean is None else c_var_mean
+    code, slope = _act_args(act)
     _k()._nc_affine_kernel[(n, _cdiv(c, block_c), parts)](
         x3, g, out3, mean, rstd if mean_lo is None else mean_lo, rstd, cv, cm,
         rstd if weight is None else weight, rstd if bias is None else bias, c, s, cg,
         0 if rstd.numel() == groups else groups, spp, *x3.stride(), *g.stride(), *out3.stride(),
-        HAS_G=g3 is not None, FIXED=bool(fixed), HAS_LO=mean_lo is not None,
-        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_C=block_c, BLOCK_S=block_s,
-        STAGES=STAGES, num_warps=_warps(block_c * block_s))
+        slope, HAS_G=g3 is not None, FIXED=bool(fixed), HAS_LO=mean_lo is not None,
+        HAS_W=weight is not None, HAS_B=bias is not None, ACT=code, BLOCK_C=block_c,
+        BLOCK_S=block_s, STAGES=STAGES, num_warps=_warps(block_c * block_s))
 
 
 @_device_guard
-def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
+def _nc_forward(x, grouping, weight, bias, eps, mean, rstd, act=None):
     x3 = _merge_batch(_ncs(x, grouping), grouping)
     n, c, s = x3.shape
     dev = x.device
@@ -314,7 +322,8 @@ def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
     # is itself a view could not be modified in place by the caller (autograd refuses)
     y = torch.empty_like(x)
     _launch_affine(x3, None, _merge_batch(_ncs(y, grouping), grouping), grouping,
-                   (mean, mean_lo, rstd), _flat(weight, c), _flat(bias, c), None, tiles)
+                   (mean, mean_lo, rstd), _flat(weight, c), _flat(bias, c), None, tiles,
+                   act=act)
     shape = grouping.stat_shape
     if var is not None:
         mean, rstd, var = mean.view(shape), rstd.view(shape), var.view(shape)
@@ -322,7 +331,8 @@ def _nc_forward(x, grouping, weight, bias, eps, mean, rstd):
 
 
 @_device_guard
-def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
+def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs, act=None,
+                 bias=None):
     x3 = _ncs(x, grouping)
     g3 = _ncs(grad, grouping)
     if g3 is None:                               # strides that do not view as (N, C, S)
@@ -338,11 +348,14 @@ def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     mean, rstd = mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
     groups, cg = _groups(grouping, c)
     psg = torch.empty((2, n, parts, c), dtype=torch.float32, device=dev)    # 2 x (N, P, C)
-    _k()._nc_grad_sums_kernel[(n, _cdiv(c, block_c), parts)](
-        g3, x3, mean, rstd, psg[0], psg[1], c, s, cg, 0 if rstd.numel() == groups else groups,
-        spp, *g3.stride(), *x3.stride(), BLOCK_C=block_c, BLOCK_S=block_s, LANES=LANES,
-        STAGES=STAGES, num_warps=_warps(block_c * block_s))
     w = _flat(weight, c)
+    b = None if act is None else _flat(bias, c)      # z = w * xhat + b, for act'(z) alone
+    code, slope = _act_args(act)
+    _k()._nc_grad_sums_kernel[(n, _cdiv(c, block_c), parts)](
+        g3, x3, mean, rstd, rstd if w is None else w, rstd if b is None else b, psg[0], psg[1],
+        c, s, cg, 0 if rstd.numel() == groups else groups, spp, *g3.stride(), *x3.stride(),
+        slope, HAS_W=w is not None, HAS_B=b is not None, ACT=code, BLOCK_C=block_c,
+        BLOCK_S=block_s, LANES=LANES, STAGES=STAGES, num_warps=_warps(block_c * block_s))
     dx = None
     if needs[0]:
         c_var_mean = None
@@ -356,8 +369,8 @@ def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
                 BLOCK_T=block_t, BLOCK_G=block_g)
         dx = torch.empty_like(x)                 # x's strides: viewed as x3 is
         dx3 = _merge_batch(_ncs(dx, grouping), grouping) if merged else _ncs(dx, grouping)
-        _launch_affine(x3, g3, dx3, grouping, (mean, None, rstd), w, None, c_var_mean, tiles,
-                       fixed=fixed)
+        _launch_affine(x3, g3, dx3, grouping, (mean, None, rstd), w, b, c_var_mean, tiles,
+                       fixed=fixed, act=act)
     pshape = grouping.param_view
     sums = psg.sum((1, 2)) if needs[1] or needs[2] else None      # second stage: 2 x C
     dw = sums[1].view(pshape) if needs[1] else None
@@ -367,17 +380,26 @@ def _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
 
 # -- the backend interface ---------------------------------------------------------------
 
-def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None):
+def supports_activation(x, grouping, act) -> bool:
+    """BatchNorm followed by ``act`` (``normkit.activation``) runs fused in the ``_nc_*``
+    kernels, any layout: the activation in the store of y, its derivative in the
+    backward's sums and dx."""
+    return grouping.kind == "batch"
+
+
+def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None, act=None):
     if grouping.kind != "layer":
-        return _nc_forward(x, grouping, weight, bias, eps, mean, rstd)
+        return _nc_forward(x, grouping, weight, bias, eps, mean, rstd, act)
     y, _, mean, rstd, var = rows_forward(x, None, weight, bias, eps, center)   # x's shape
     shape = grouping.stat_shape
     return y, mean.view(shape), rstd.view(shape), var.view(shape)
 
 
-def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
+def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs, act=None,
+             bias=None):
     if grouping.kind != "layer":
-        return _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs)
+        return _nc_backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs, act,
+                            bias)
     m, k = grouping.view
     dx, dw, db = rows_backward(grad, None, x, mean.reshape(m).float(), rstd.reshape(m).float(),
                                weight, None, center, False, needs)
@@ -385,6 +407,7 @@ def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs):
     return dx, (None if dw is None else dw.view(pshape)), (None if db is None else db.view(pshape))
 
 
-__all__ = ["supports", "forward", "backward", "add_one_pass", "fused_add_forward",
+__all__ = ["supports", "supports_activation", "forward", "backward", "add_one_pass",
+           "fused_add_forward",
            "fused_add_backward",
            "rows_forward", "rows_backward"]
