@@ -115,6 +115,9 @@ def _op(name, lib, x, params, extra):
     if name == "instance_norm":
         return lib.instance_norm(x, weight=w, bias=b)
     rm, rv = extra
+    if name == "batch_norm_relu":                 # normkit fused, torch BatchNorm then ReLU
+        return (NF.batch_norm_act(x, rm, rv, w, b, training=True, activation="relu")
+                if lib is NF else F.relu(F.batch_norm(x, rm, rv, w, b, training=True)))
     return lib.batch_norm(x, rm, rv, w, b, training=name == "batch_norm")
 
 
@@ -183,6 +186,7 @@ def correct_cases():
         for layout in ("contiguous", "channels_last"):
             cases.append(("batch_norm", BATCH, dtype, layout, True))
         cases.append(("batch_norm_eval", BATCH, dtype, "channels_last", True))
+        cases.append(("batch_norm_relu", BATCH, dtype, "channels_last", True))
         cases.append(("group_norm", GROUP, dtype, "channels_last", True))
         cases.append(("instance_norm", INSTANCE, dtype, "contiguous", True))
     cases.append(("rms_norm", QK, BF16, "contiguous", True))
@@ -387,6 +391,7 @@ BENCH = [  # name, shape, dtype, layout, mode
     *[("batch_norm", BATCH, F32, lay, m) for lay in ("contiguous", "channels_last")
       for m in ("fwd", "fwd+bwd")],
     ("batch_norm_eval", BATCH, F32, "channels_last", "fwd"),
+    *[("batch_norm_relu", BATCH, F32, "channels_last", m) for m in ("fwd", "fwd+bwd")],
     ("group_norm", GROUP, BF16, "channels_last", "fwd+bwd"),
     ("instance_norm", INSTANCE, BF16, "contiguous", "fwd"),
 ]
