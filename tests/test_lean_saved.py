@@ -244,3 +244,61 @@ def test_half_kernel_is_the_fp32_kernel_then_the_cast(shape, dtype):
     dx = half.backward(g, x, mean, rstd, None, (True, False, False))[0]
     dx32 = full.backward(g.float(), x.float(), mean32, rstd32, None, (True, False, False))[0]
     assert torch.equal(dx, dx32.to(dtype))
+
+
+@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_with_a_casting_rule_keeps_h_stats_weight(dtype, one_pass, monkeypatch):
+    """``add_rms_norm(casting="llama")`` (``convert(fuse_residual=True)`` of a Llama) keeps
+    ``h`` in its own dtype, the fp32 statistics and the weight -- what the unfused add then
+    the lean norm keep -- not ``x_hat`` besides; outputs and gradients the unfused bits."""
+    from normkit.backends.cpu import tuning
+
+    if one_pass:
+        monkeypatch.setattr(tuning, "ONE_PASS_ADD", 0)
+    gen = torch.Generator().manual_seed(7)
+    x, r = (torch.randn(4, 32, 256, generator=gen).to(dtype).requires_grad_() for _ in "xr")
+    w = (torch.randn(256, generator=gen) * 0.5 + 1).to(dtype).requires_grad_()
+    gy, gh = (torch.randn(4, 32, 256, generator=gen).to(dtype) for _ in "yh")
+    runs = []
+    for fused in (True, False):
+        def fn(x, r, w, fused=fused):
+            if fused:
+                return nF.add_rms_norm(x, r, (256,), w, 1e-6, casting="llama")
+            h = x + r
+            return nF.rms_norm(h, (256,), w, 1e-6, casting="llama"), h
+        (y, h), saved = _saved(fn, x, r, w)
+        grads = torch.autograd.grad([y, h], [x, r, w], [gy, gh])
+        runs.append((saved, [y, h, *grads]))
+    (fused_saved, fused_out), (plain_saved, plain_out) = runs
+    for a, b in zip(fused_out, plain_out):
+        assert torch.equal(a, b)
+    h_bytes = x.numel() * x.element_size()
+    assert sum(n for n, _ in fused_saved.values()) <= sum(n for n, _ in plain_saved.values())
+    assert sum(n for n, dt in fused_saved.values() if n >= h_bytes) == h_bytes   # h alone
+
+
+def test_add_rms_norm_with_a_casting_rule_in_one_pass_gradgradcheck(monkeypatch):
+    """t5's rule in fp64 normalizes in fp64: the one rule gradcheck can see in one pass
+    (llama's normalizes an fp64 input in fp32)."""
+    from normkit.backends.cpu import tuning
+
+    casting = "t5"
+    monkeypatch.setattr(tuning, "ONE_PASS_ADD", 0)
+    gen = torch.Generator().manual_seed(5)
+    x, r = (torch.randn(3, 4, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+            for _ in "xr")
+    w = torch.randn(5, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    def fn(x, r, w):
+        return nF.add_rms_norm(x, r, (5,), w, 1e-5, offset=1.0, casting=casting)
+
+    assert "AddNorm" in type(fn(x, r, w)[0].grad_fn.next_functions[0][0]).__name__
+    assert torch.autograd.gradcheck(fn, (x, r, w))
+    assert torch.autograd.gradgradcheck(fn, (x, r, w))
+
+
+def test_add_rms_norm_casting_refuses_memory_saving():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="memory_saving=True recomputes x_hat"):
+        nF.add_rms_norm(x, x, (8,), torch.ones(8), casting="llama", memory_saving=True)

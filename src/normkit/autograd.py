@@ -266,12 +266,19 @@ def _cast_backward(ctx, grad_y):
 class AddNormFunction(torch.autograd.Function):
     """``(y, h)`` with ``h = x + residual`` and ``y = w * (h - mean) * rstd + b`` over the
     rows of (M, K) views (``center=False``: RMSNorm, mean = 0); ``route = (grouping,
-    backend, plan, one_pass)`` of those rows (``normkit.ops.add_norm``; the plan where
-    ``one_pass``)."""
+    backend, plan, one_pass, cast)`` of those rows (``normkit.ops.add_norm``; the plan
+    where ``one_pass``). ``cast = (casting, offset)``, or None: the kernels normalize
+    without the weight and the RMSNorm casting rule scales ``x_hat`` (``h``'s dtype: the
+    rules ``normkit.conversion.fuse`` fuses) as ``NormFunction``'s ``cast`` does, saving
+    no more than ``h``, the statistics and the weight."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, center, memory_saving, route):
-        grouping, backend, plan, one_pass = route
+        grouping, backend, plan, one_pass, cast = route
+        ctx.cast = cast
+        if cast is not None:                     # x_hat from the kernels, then the rule
+            scale = weight
+            weight = None
         fused = one_pass and hasattr(backend, "fused_add_forward")
         one_pass = one_pass and not fused
         if fused:
@@ -282,8 +289,12 @@ class AddNormFunction(torch.autograd.Function):
         else:
             h = x + residual
             y, mean, rstd, _ = backend.forward(h, grouping, weight, bias, eps, center)
-        from_y = bool(memory_saving) and (weight is None or not bool((weight == 0).any()))
-        ctx.save_for_backward(y if from_y else h, weight, bias, mean, rstd)
+        if cast is not None:
+            weight = scale
+            y = scale_and_cast(y, x.dtype, weight, cast[1], cast[0])
+        from_y = bool(memory_saving) and cast is None and (
+            weight is None or not bool((weight == 0).any()))
+        ctx.save_for_backward(y if from_y else h, weight, bias, mean if center else None, rstd)
         ctx.backend, ctx.plan, ctx.fused, ctx.from_y = backend, plan, fused, from_y
         ctx.one_pass = one_pass
         ctx.grouping, ctx.center, ctx.eps = grouping, center, eps
@@ -292,7 +303,13 @@ class AddNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, grad_h):
         saved, weight, bias, mean, rstd = ctx.saved_tensors
+        if mean is None:                                           # RMSNorm's: zeros
+            mean = torch.zeros_like(rstd)
         nx, nr, nw, nb = ctx.needs_input_grad[:4]
+        dw_cast = None
+        if ctx.cast is not None:       # the rule's gradient, then the norm's without weight
+            grad_y, dw_cast = _cast_rule_backward(ctx, grad_y, saved, weight, nw)
+            weight, nw = None, False
         needs = (nx or nr, nw, nb)
         if torch.is_grad_enabled():    # double backward: the operator's formula, through h
             if ctx.from_y:
@@ -327,6 +344,28 @@ class AddNormFunction(torch.autograd.Function):
             dh = dh + grad_h                                       # the direct path of h
         dw = None if dw is None or weight is None else dw.reshape(weight.shape).to(weight.dtype)
         db = None if db is None or bias is None else db.reshape(bias.shape).to(bias.dtype)
+        if dw_cast is not None:
+            dw = dw_cast
         return (dh if nx else None), (dh if nr else None), dw, db, None, None, None, None
+
+
+def _cast_rule_backward(ctx, grad_y, h, weight, needs_w):
+    """``(d_xhat, dweight)`` of ``AddNormFunction``'s casting rule: ``x_hat`` recomputed
+    from ``h`` where the weight's gradient needs it (the forward's kernel: the same bits;
+    differentiable through the operator when the backward is differentiated)."""
+    casting, offset = ctx.cast
+    grouping, eps, center = ctx.grouping, ctx.eps, ctx.center
+    x_hat = None
+    if needs_w and weight is not None:
+        if not torch.is_grad_enabled() and plain_eager(grad_y):
+            x_hat = backends.plan(h, grouping, center).forward(h, None, None, eps, None, None,
+                                                               False)[0]
+        else:
+            x_hat = torch.ops.normkit.norm_forward.default(h, None, None,
+                                                           *grouping_args(grouping), eps,
+                                                           center)[0]
+    d_xhat, dw, _ = scale_and_cast_backward(grad_y, x_hat, h.dtype, h.dtype, weight, None,
+                                            offset, casting, (True, needs_w, False))
+    return d_xhat, dw
 
 

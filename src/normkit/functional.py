@@ -464,15 +464,21 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
     return add_norm(x, residual, len(shape), weight, bias, eps, True, memory_saving)
 
 
-def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, memory_saving=None):
+def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, memory_saving=None,
+                 offset=0.0, casting="torch"):
     r"""Residual add fused with RMS normalization: ``(rms_norm(x + residual), x +
     residual)``.
 
     .. math:: h = x + r, \qquad y = \frac{h}{\sqrt{\mathrm{mean}(h^2) + \epsilon}}
-              \cdot \gamma
+              \cdot (\text{offset} + \gamma)
 
     ``eps=None`` uses ``torch.finfo(x.dtype).eps``, as ``rms_norm``. ``memory_saving``
     as in ``add_layer_norm`` (weight nonzero required; ``xhat = y / weight``).
+    ``offset`` and ``casting`` as in ``rms_norm``: with a model's casting rule the output
+    and gradients are those of ``x + residual`` followed by ``rms_norm`` with that rule,
+    bit for bit on CPU, saving ``h``, the statistics and the weight; the one pass runs
+    where the rule's ``x_hat`` is in ``x``'s dtype (``llama``; ``gemma``/``t5`` in fp32),
+    and the memory-saving backward is not available (``memory_saving=True``: an error).
 
     Example::
 
@@ -483,7 +489,16 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, memory
     shape = _check_normalized_shape(x, normalized_shape, weight, None, "add_rms_norm")
     if eps is None:
         eps = torch.finfo(x.dtype).eps
-    return add_norm(x, residual, len(shape), weight, None, eps, False, memory_saving)
+    check_casting(casting, offset, weight)
+    if casting == "torch":
+        if offset:
+            weight = offset + weight
+        return add_norm(x, residual, len(shape), weight, None, eps, False, memory_saving)
+    if memory_saving:
+        raise ValueError(f"add_rms_norm: memory_saving=True recomputes x_hat from y, which "
+                         f"the casting rule {casting!r} rounds; pass memory_saving=False, or "
+                         f"casting='torch'")
+    return add_norm(x, residual, len(shape), weight, None, eps, False, False, (casting, offset))
 
 
 # every op above is also torch.ops.normkit.NAME (see normkit.ops)

@@ -57,7 +57,7 @@ from normkit import grouping as G
 from normkit.autograd import (AddNormFunction, NormFunction, _grouping, activation_args,
                               as_activation, grouping_args, plain_eager)
 from normkit.backends import torch_ops
-from normkit.rms_casting import kernel_dtype, scale_and_cast
+from normkit.rms_casting import kernel_dtype, normalize_dtype, scale_and_cast
 
 __all__ = ["add_norm", "apply_norm", "cast_norm", "run", "norm_forward", "norm_backward",
            "grouping_args", "decompositions", "tracing", "decomposing", "compile_decomposed",
@@ -425,10 +425,15 @@ def cast_norm(x, grouping, weight, bias, eps, center, casting, offset, ndtype):
     return scale_and_cast(x_hat, x.dtype, weight, offset, casting, bias)
 
 
-def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_saving):
+def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_saving,
+             cast=None):
     """``(norm(x + residual), x + residual)`` over the last ``normalized_ndim`` dims
     (arguments already validated by ``normkit.functional.add_layer_norm`` /
-    ``add_rms_norm``); ``memory_saving=None`` follows ``backends.memory_saving``."""
+    ``add_rms_norm``); ``memory_saving=None`` follows ``backends.memory_saving``.
+    ``cast = (casting, offset)``: an RMSNorm with a model's casting rule; one pass only
+    where the rule's ``x_hat`` is in ``x``'s dtype (the kernels cast it once, as the rule
+    does), else the add then ``cast_norm``: either way the norm saves ``h`` in its own
+    dtype and its statistics."""
     grouping = G.layer(tuple(x.shape), normalized_ndim)
     if memory_saving is None:
         memory_saving = backends.memory_saving_enabled()
@@ -441,20 +446,32 @@ def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_sav
         # the memory-saving backward on any
         one_pass = getattr(backend, "add_one_pass", None)
         one_pass = (one_pass is not None and plain_eager(xv) and plain_eager(residual)
-                    and one_pass(xv))
+                    and (cast is None or _x_hat_in_x_dtype(x, cast[0])) and one_pass(xv))
         plan = backends.plan(xv, rows, center) if one_pass else None
-        if memory_saving or one_pass:
+        if (memory_saving and cast is None) or one_pass:
             w = None if weight is None else weight.reshape(-1)
             b = None if bias is None else bias.reshape(-1)
             y, h = AddNormFunction.apply(xv, residual.reshape(grouping.view), w, b, eps,
                                          center, bool(memory_saving),
-                                         (rows, backend, plan, one_pass))
+                                         (rows, backend, plan, one_pass, cast))
             if y.shape != x.shape:
                 y, h = y.view(x.shape), h.view(x.shape)
             return y, h
     # traced (compile, export, ONNX), or no one-pass route: the add, then the norm
     h = x + residual
+    if cast is not None:
+        return cast_norm(h, grouping, weight, bias, eps, center, *cast,
+                         normalize_dtype(h, cast[0])), h
     return apply_norm(h, grouping, weight, bias, eps, center)[0], h
+
+
+def _x_hat_in_x_dtype(x, casting) -> bool:
+    """Whether the rule ``casting`` normalizes in fp32 and casts ``x_hat`` to ``x``'s dtype
+    before anything else (``llama``), or ``x`` is in the dtype it normalizes in (fp32
+    ``gemma``, fp32/fp64 ``t5``): then a kernel's one cast of ``x_hat`` is the rule's."""
+    ndtype = normalize_dtype(x, casting)
+    return torch.promote_types(x.dtype, torch.float32) == ndtype and (
+        casting == "llama" or x.dtype == ndtype)
 
 
 # ---------------------------------------------------------------------------- public operators

@@ -177,6 +177,9 @@ MODELS = {
     "llama-bf16": ("LlamaForCausalLM in bf16, hidden 512, 4 layers, 8 heads, 2 KV heads, "
                    "seq 256, batch 4", lambda: llm("llama", 512, 4, 2, torch.bfloat16),
                    lambda: _tokens(4, 256), ("train",)),
+    "llama-bf16-fused": ("the llama-bf16 model converted with fuse_residual=True",
+                         lambda: llm("llama", 512, 4, 2, torch.bfloat16),
+                         lambda: _tokens(4, 256), ("train",)),
     "resnet50": ("ResNetModel, ResNet-50 config, batch 4, 128 px",
                  _resnet50, lambda: images(4, 128), ("train", "infer")),
     "mobilenetv2": ("MobileNetV2Model, 1.0 config, batch 8, 128 px",
@@ -186,7 +189,8 @@ MODELS = {
 }
 QUICK_MODELS = ("study-cnn-b2",)
 #: the rows converted with options (``normkit.convert``'s keywords)
-CONVERT = {"resnet18-fused": dict(fuse_activation=True)}
+CONVERT = {"resnet18-fused": dict(fuse_activation=True),
+           "llama-bf16-fused": dict(fuse_residual=True)}
 
 
 def _output(model, x):

@@ -33,14 +33,13 @@ code) whenever the fused call could differ:
 
 * ``A``, ``B`` not tensors of one dtype, device and shape (``A + B`` would broadcast or
   promote), the norm not (any more) a plain normkit ``RMSNorm``/``LayerNorm``, or the
-  norm with hooks (a fused call would bypass them);
-* an RMSNorm casting rule the fused op cannot reproduce: it normalizes :math:`h` with
-  fp32 statistics (fp64 for fp64) and casts :math:`\hat h` once to :math:`h`'s dtype, so
-  it serves ``casting="torch"`` (the weight inside), ``"llama"`` in fp32/bf16/fp16
-  (whose rule is exactly that cast, then ``w *``), and fp32 inputs of ``"gemma"``,
-  fp32/fp64 of ``"t5"`` (no cast at all); Gemma's rule in bf16/fp16 multiplies by
-  ``1 + w`` in fp32 before its cast, and ``"llama"``/``"gemma"`` normalize an fp64 input
-  in fp32: those stay unfused.
+  norm with hooks (a fused call would bypass them).
+
+An RMSNorm's casting rule and offset go to ``add_rms_norm`` (``offset=``, ``casting=``),
+which runs one pass only where its kernels' one cast of :math:`\hat h` is the rule's
+(``"torch"``, ``"llama"`` in fp32/bf16/fp16, fp32 ``"gemma"``, fp32/fp64 ``"t5"``) and
+otherwise the add, then the model's norm op (Gemma's bf16 rule multiplies by ``1 + w`` in
+fp32 before its cast); either way the norm keeps ``h``, its statistics and the weight.
 
 The memory-saving backward is never used here (it recomputes :math:`\hat h` from the
 output, which changes gradients by rounding), so forward and backward are the unfused
@@ -65,7 +64,6 @@ from torch.nn.modules import module as torch_module
 import normkit.nn as nknn
 from normkit import functional as nF
 from normkit.conversion.classes import derived_class
-from normkit.rms_casting import normalize_dtype, scale_and_cast
 
 __all__ = ["add_norm", "candidates", "fuse", "is_fused", "unfuse"]
 
@@ -105,18 +103,8 @@ def add_norm(norm, a, b):
         return nF.add_layer_norm(a, b, norm.normalized_shape, norm.weight, norm.bias,
                                  norm.eps, memory_saving=False)
     eps = norm.eps if norm.eps is not None else torch.finfo(a.dtype).eps
-    casting, offset, weight = norm.casting, norm.offset, norm.weight
-    if casting == "torch":                               # the weight inside, as rms_norm
-        weight = weight if not offset else offset + weight
-        return nF.add_rms_norm(a, b, norm.normalized_shape, weight, eps, memory_saving=False)
-    # the fused op's statistics are fp32 (fp64 for fp64); its x_hat is cast to a's dtype
-    model_dtype = normalize_dtype(a, casting)
-    if torch.promote_types(a.dtype, torch.float32) != model_dtype or \
-            (casting != "llama" and a.dtype != model_dtype):
-        h = a + b             # e.g. Gemma's bf16 rule scales in fp32, then casts: not one op
-        return norm(h), h
-    x_hat, h = nF.add_rms_norm(a, b, norm.normalized_shape, None, eps, memory_saving=False)
-    return scale_and_cast(x_hat, a.dtype, weight, offset, casting), h
+    return nF.add_rms_norm(a, b, norm.normalized_shape, norm.weight, eps, memory_saving=False,
+                           offset=norm.offset, casting=norm.casting)
 
 
 # ---------------------------------------------------------------- the source pattern
