@@ -29,7 +29,7 @@ from normkit.backends.cpu.stores import (rows_store, span_store, store_affine_pe
                                          store_affine_scalar, store_dx_per_channel,
                                          store_dx_rows_planes, where)
 
-__all__ = ["ACT_NONE", "ACT_SILU", "act_grad", "act_params", "apply_act", "clamp",
+__all__ = ["ACT_NONE", "ACT_SILU", "act_params", "clamp",
            "clamp_grad", "silu", "silu_grad", "store_affine_per_channel_act",
            "store_affine_scalar_act", "store_dx_per_channel_act", "store_dx_rows_planes_act"]
 
@@ -135,28 +135,6 @@ def act_params(code, slope, sdt):
     leaky = code == ACT_LEAKY
     return (code, (t(0.0), t(slope if leaky else 0.0), top, t(1.0 if leaky else 0.0)),
             (t(1.0),))
-
-
-@register_jitable(inline="always")
-def apply_act(z, act):
-    """``act(z)`` of one number (the plain loops of the small kernels)."""
-    code, cl, si = act
-    if code == ACT_NONE:
-        return z
-    if code == ACT_SILU:
-        return silu(z, si[0])
-    return clamp(z, cl[0], cl[1], cl[2], cl[3])
-
-
-@register_jitable(inline="always")
-def act_grad(g, z, act):
-    """``g * act'(z)`` of one number (``g`` for none)."""
-    code, cl, si = act
-    if code == ACT_NONE:
-        return g
-    if code == ACT_SILU:
-        return silu_grad(g, z, si[0])
-    return clamp_grad(g, z, cl[0], cl[1], cl[2], cl[3])
 
 
 # ---- the drivers ---------------------------------------------------------------------

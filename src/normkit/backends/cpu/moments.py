@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba.extending import register_jitable
 
-from normkit.backends.cpu.act_stores import act_grad
+from normkit.backends.cpu.act_stores import ACT_SILU, clamp_grad, silu_grad
 from normkit.backends.cpu.half import accumulate, like, load
 from normkit.stats_numba import chan_merge
 
@@ -216,14 +216,23 @@ def _lane_grad_sums_act(gn, xn, c_, s0, s1, run, lanes, act):
     silu, lane scale rstd * w, lane b)``, the lanes repeated over a run as the mean."""
     lane_g, lane_gx, lane_mean, _ = lanes
     code, cl, si, lane_scale, lane_shift = act
-    for g in range(s0, s1, run):
+    zero, slope, top, leaky = cl[0], cl[1], cl[2], cl[3]
+    for g in range(s0, s1, run):       # one loop per formula (planes._small_store)
         i0, i1 = g * c_, min(s1, g + run) * c_
         xs, gs = xn[i0:i1], gn[i0:i1]                              # <= run*C
-        for j in range(xs.shape[0]):
-            d = load(xs, j) - lane_mean[j]
-            gi = act_grad(load(gs, j), d * lane_scale[j] + lane_shift[j], (code, cl, si))
-            lane_g[j] += gi
-            lane_gx[j] += gi * d
+        if code == ACT_SILU:
+            for j in range(xs.shape[0]):
+                d = load(xs, j) - lane_mean[j]
+                gi = silu_grad(load(gs, j), d * lane_scale[j] + lane_shift[j], si[0])
+                lane_g[j] += gi
+                lane_gx[j] += gi * d
+        else:
+            for j in range(xs.shape[0]):
+                d = load(xs, j) - lane_mean[j]
+                gi = clamp_grad(load(gs, j), d * lane_scale[j] + lane_shift[j], zero, slope,
+                                top, leaky)
+                lane_g[j] += gi
+                lane_gx[j] += gi * d
 
 
 @register_jitable
