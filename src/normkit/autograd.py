@@ -268,9 +268,9 @@ class AddNormFunction(torch.autograd.Function):
     rows of (M, K) views (``center=False``: RMSNorm, mean = 0); ``route = (grouping,
     backend, plan, one_pass, cast)`` of those rows (``normkit.ops.add_norm``; the plan
     where ``one_pass``). ``cast = (casting, offset)``, or None: the kernels normalize
-    without the weight and the RMSNorm casting rule scales ``x_hat`` (``h``'s dtype: the
-    rules ``normkit.conversion.fuse`` fuses) as ``NormFunction``'s ``cast`` does, saving
-    no more than ``h``, the statistics and the weight."""
+    without the weight, ``x_hat`` in ``h``'s dtype (the rules ``ops._x_hat_in_x_dtype``
+    admits), and the RMSNorm casting rule scales it as ``NormFunction``'s ``cast`` does,
+    saving no more than ``h``, the statistics and the weight."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, center, memory_saving, route):

@@ -248,8 +248,29 @@ def channels_fixed(x, y, w, b, stats, small, out, act, lo, hi):
     stream, ahead = out
     c_, s_ = x.shape[1], x.shape[2]
     n, c = lo // c_, lo % c_
+    if act[0] == ACT_NONE:
+        # the loop without the activation's code, as it was: with the activation's stores
+        # in its body (not run) an eval (64, 32, 8, 8) call on 2 threads took 22 us, not 18
+        for u in range(lo, hi):
+            if u > lo:                                             # (n, c) of plane u
+                c += 1
+                if c == c_:
+                    n, c = n + 1, 0
+            x0 = load(x[0, c], 0)
+            mean_x0, scale, shift = like(mean, mean[c] - x0), rstd[c] * w[c], b[c]
+            if small:
+                xr, yr = x[n, c], y[n, c]
+                for i in range(s_):
+                    store(yr, i, ((load(xr, i) - x0) - mean_x0) * scale + shift)
+            else:
+                store_affine_scalar(y[n, c], (x[n, c],), (x0, mean_x0, scale, shift),
+                                    (_plane_ahead(x, n, c, ahead, lo, hi - 1), x[0, 0, :0]),
+                                    stream)
+        if stream:
+            fence()
+        return
     for u in range(lo, hi):
-        if u > lo:                                                 # (n, c) of plane u
+        if u > lo:
             c += 1
             if c == c_:
                 n, c = n + 1, 0
