@@ -121,10 +121,16 @@ def chunk_grad_sums(g, x, stats, chunk, sums, params, act, lo, hi):
     lanes = grad_lanes(c_, run, mean)
     for r in range(run):
         lanes[2][r * c_:(r + 1) * c_] = mean
+    if act[0] == ACT_NONE:     # (a loop without the activation's code: planes.channels_fixed)
+        for u in range(lo, hi):
+            r0, r1 = _rows_of(u, rows, m)
+            sg[u, :] = 0.0
+            sgx[u, :] = 0.0
+            cl_range_grad_sums(g, x, c_, r0, r1, rows, run, lanes, rstd, sg[u], sgx[u])
+        return
     w, b = params
-    lanes_act = 0 if act[0] == ACT_NONE else run   # the forward's scale and shift, per lane
-    scale, shift = np.empty(lanes_act * c_, mean.dtype), np.empty(lanes_act * c_, mean.dtype)
-    for r in range(lanes_act):
+    scale, shift = np.empty(run * c_, mean.dtype), np.empty(run * c_, mean.dtype)
+    for r in range(run):                           # the forward's scale and shift, per lane
         for c in range(c_):
             scale[r * c_ + c], shift[r * c_ + c] = rstd[c] * w[c], b[c]
     lane_act = (act[0], act[1], act[2], scale, shift)
@@ -132,11 +138,7 @@ def chunk_grad_sums(g, x, stats, chunk, sums, params, act, lo, hi):
         r0, r1 = _rows_of(u, rows, m)
         sg[u, :] = 0.0
         sgx[u, :] = 0.0
-        if act[0] == ACT_NONE:
-            cl_range_grad_sums(g, x, c_, r0, r1, rows, run, lanes, rstd, sg[u], sgx[u])
-        else:
-            cl_range_grad_sums(g, x, c_, r0, r1, rows, run, lanes, rstd, sg[u], sgx[u],
-                               lane_act)
+        cl_range_grad_sums(g, x, c_, r0, r1, rows, run, lanes, rstd, sg[u], sgx[u], lane_act)
 
 
 @njit(**JIT)
