@@ -276,21 +276,17 @@ class AddNormFunction(torch.autograd.Function):
     def forward(ctx, x, residual, weight, bias, eps, center, memory_saving, route):
         grouping, backend, plan, one_pass, cast = route
         ctx.cast = cast
-        if cast is not None:                     # x_hat from the kernels, then the rule
-            scale = weight
-            weight = None
+        kw = weight if cast is None else None   # with a rule: x_hat from the kernels, then it
         fused = one_pass and hasattr(backend, "fused_add_forward")
         one_pass = one_pass and not fused
         if fused:
-            y, h, mean, rstd = backend.fused_add_forward(x, residual, weight, bias, eps,
-                                                         center)
+            y, h, mean, rstd = backend.fused_add_forward(x, residual, kw, bias, eps, center)
         elif one_pass:
-            y, h, mean, rstd = plan.add_forward(x, residual, weight, bias, eps)
+            y, h, mean, rstd = plan.add_forward(x, residual, kw, bias, eps)
         else:
             h = x + residual
-            y, mean, rstd, _ = backend.forward(h, grouping, weight, bias, eps, center)
+            y, mean, rstd, _ = backend.forward(h, grouping, kw, bias, eps, center)
         if cast is not None:
-            weight = scale
             y = scale_and_cast(y, x.dtype, weight, cast[1], cast[0])
         from_y = bool(memory_saving) and cast is None and (
             weight is None or not bool((weight == 0).any()))
