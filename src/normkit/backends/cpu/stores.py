@@ -40,7 +40,7 @@ from normkit.backends.cpu.half import is_half, load, store
 from normkit.backends.cpu.tuning import PREFETCH_PIECE
 
 __all__ = ["add", "affine_per_channel", "affine_per_element", "affine_scalar",
-           "dx_per_channel", "dx_rows_planes", "fence", "prefetch", "rows_store",
+           "dx_per_channel", "dx_rows_planes", "fence", "prefetch", "prefetch_lines", "rows_store",
            "span_store", "where"]
 
 
@@ -252,7 +252,7 @@ def prefetch(typingctx, a, i):
 
 
 @register_jitable(inline="always")
-def _prefetch_lines(a, i0, i1):
+def prefetch_lines(a, i0, i1):
     """``prefetch`` the cache lines of a[i0:i1] (clipped to a)."""
     for i in range(i0, min(i1, a.shape[0]), max(1, 64 // a.itemsize)):
         prefetch(a, i)
@@ -359,14 +359,14 @@ def span_store(formula, streamed=True):
                 for i0 in range(0, n, PREFETCH_PIECE):
                     i1 = min(n, i0 + PREFETCH_PIECE)
                     streamed(dst[i0:i1], _slice_each(arrays, i0, i1), scalars)
-                    _prefetch_lines(ahead_a, i0, i1)
-                    _prefetch_lines(ahead_b, i0, i1)
+                    prefetch_lines(ahead_a, i0, i1)
+                    prefetch_lines(ahead_b, i0, i1)
             else:
                 for i0 in range(0, n, PREFETCH_PIECE):
                     i1 = min(n, i0 + PREFETCH_PIECE)
                     plain(dst[i0:i1], _slice_each(arrays, i0, i1), scalars)
-                    _prefetch_lines(ahead_a, i0, i1)
-                    _prefetch_lines(ahead_b, i0, i1)
+                    prefetch_lines(ahead_a, i0, i1)
+                    prefetch_lines(ahead_b, i0, i1)
         return pieces
 
     driver.__name__ = driver.__qualname__ = f"store_{formula.__name__}"
