@@ -9,7 +9,8 @@ import torch
 pytest.importorskip("numba")
 
 import _cpu_cases as cases  # noqa: E402
-from normkit.backends.cpu import tuning  # noqa: E402
+from normkit import grouping as G  # noqa: E402
+from normkit.backends.cpu import plans, tuning  # noqa: E402
 
 OPS = [("layer", (37, 96), "contiguous"), ("rms", (37, 96), "contiguous"),
        ("group", (3, 6, 9, 11), "contiguous"), ("instance", (3, 6, 9, 11), "contiguous"),
@@ -76,7 +77,6 @@ def test_threads_rule(monkeypatch):
     # from SERIAL_BELOW elements torch's thread count, one thread below it (and without
     # torch's OpenMP runtime, where the C++ plan would run the ranges one by one); every
     # family's plan follows the rule
-    from normkit import grouping as G
     from normkit.backends import _parallel, cpu
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
@@ -94,10 +94,14 @@ def test_threads_rule(monkeypatch):
 
 
 def test_stream_bytes_rule(monkeypatch):
-    # float32/float64 outputs from STREAM_BYTES up may stream, half precision never
+    # outputs of every storage dtype from STREAM_BYTES up may stream (half precision is
+    # converted on the vectors), as the value stood when the plan was built
     monkeypatch.setattr(tuning, "STREAM_BYTES", 1 << 20)
-    assert tuning.stream_bytes(4) == tuning.stream_bytes(8) == 1 << 20
-    assert tuning.stream_bytes(2) == 0
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        x = torch.zeros(2, 2, dtype=dtype)
+        assert plans.Rows(x, G.layer((2, 2), 1), True, False).stream_bytes == 1 << 20
+    monkeypatch.setattr(tuning, "STREAM_BYTES", 1 << 30)
+    assert plans.Rows(x, G.layer((2, 2), 1), True, False).stream_bytes == 1 << 30
 
 
 def test_last_level_cache_bytes(tmp_path):

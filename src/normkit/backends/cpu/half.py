@@ -16,46 +16,67 @@ from llvmlite import ir
 from numba.core import types as nbt
 from numba.extending import intrinsic, overload
 
-__all__ = ["accumulate", "is_half", "like", "load", "store"]
+__all__ = ["accumulate", "is_half", "like", "load", "narrow", "store", "widen"]
 
 
-@intrinsic
-def _bf16_to_f32(typingctx, h):
-    """uint16 bits of a bfloat16 -> float32 (the bits are the float32's top half)."""
-    def codegen(context, builder, sig, args):
-        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(wide, ir.FloatType())
-    return nbt.float32(h), codegen
+def _const(value, elem, v):
+    """The constant v of the IR type elem, a vector of v where ``value`` is a vector."""
+    if isinstance(value.type, ir.VectorType):
+        return ir.Constant(ir.VectorType(elem, value.type.count), [v] * value.type.count)
+    return ir.Constant(elem, v)
 
 
-@intrinsic
-def _f32_to_bf16(typingctx, f):
-    """float32 -> uint16 bits of a bfloat16, rounded to nearest even; NaN -> 0x7FC0."""
-    def codegen(context, builder, sig, args):
+def _shaped(value, elem):
+    """The IR type elem, as a vector of ``value``'s length where ``value`` is a vector."""
+    if isinstance(value.type, ir.VectorType):
+        return ir.VectorType(elem, value.type.count)
+    return elem
+
+
+def widen(builder, bits, dtype):
+    """IR: the 16-bit storage ``bits`` (a value or a vector) of the numba type dtype
+    (uint16: bfloat16, int16: float16) as float32; other dtypes pass through. bfloat16
+    bits are the float32's top half; float16 goes through ``fpext`` (F16C)."""
+    if dtype == nbt.uint16:
         i32 = ir.IntType(32)
-        bits = builder.bitcast(args[0], i32)
-        lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
-        rounded = builder.add(bits, builder.add(lsb, ir.Constant(i32, 0x7FFF)))
-        hi = builder.trunc(builder.lshr(rounded, ir.Constant(i32, 16)), ir.IntType(16))
-        isnan = builder.fcmp_unordered("uno", args[0], args[0])
-        return builder.select(isnan, ir.Constant(ir.IntType(16), 0x7FC0), hi)
-    return nbt.uint16(nbt.float32), codegen
+        wide = builder.shl(builder.zext(bits, _shaped(bits, i32)), _const(bits, i32, 16))
+        return builder.bitcast(wide, _shaped(bits, ir.FloatType()))
+    if dtype == nbt.int16:
+        return builder.fpext(builder.bitcast(bits, _shaped(bits, ir.HalfType())),
+                             _shaped(bits, ir.FloatType()))
+    return bits
 
 
-@intrinsic
-def _f16_to_f32(typingctx, h):
-    """int16 bits of a float16 -> float32."""
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return nbt.float32(h), codegen
+def narrow(builder, value, dtype):
+    """IR: the float32 ``value`` (a value or a vector) as the storage bits of dtype:
+    bfloat16 rounded to nearest even, NaN -> 0x7FC0; float16 by ``fptrunc``, rounded to
+    nearest even; other dtypes pass through."""
+    if dtype == nbt.uint16:
+        i32, i16 = ir.IntType(32), ir.IntType(16)
+        bits = builder.bitcast(value, _shaped(value, i32))
+        lsb = builder.and_(builder.lshr(bits, _const(bits, i32, 16)), _const(bits, i32, 1))
+        rounded = builder.add(bits, builder.add(lsb, _const(bits, i32, 0x7FFF)))
+        hi = builder.trunc(builder.lshr(rounded, _const(bits, i32, 16)), _shaped(bits, i16))
+        isnan = builder.fcmp_unordered("uno", value, value)
+        return builder.select(isnan, _const(bits, i16, 0x7FC0), hi)
+    if dtype == nbt.int16:
+        half = builder.fptrunc(value, _shaped(value, ir.HalfType()))
+        return builder.bitcast(half, _shaped(value, ir.IntType(16)))
+    return value
 
 
-@intrinsic
-def _f32_to_f16(typingctx, f):
-    """float32 -> int16 bits of a float16, rounded to nearest even."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-    return nbt.int16(nbt.float32), codegen
+def _converter(dtype, to_float):
+    """The intrinsic of one conversion of one element: storage bits of dtype <-> float32."""
+    @intrinsic
+    def convert(typingctx, v):
+        def codegen(context, builder, sig, args):
+            return (widen if to_float else narrow)(builder, args[0], dtype)
+        return (nbt.float32(v) if to_float else dtype(nbt.float32)), codegen
+    return convert
+
+
+_bf16_to_f32, _f32_to_bf16 = _converter(nbt.uint16, True), _converter(nbt.uint16, False)
+_f16_to_f32, _f32_to_f16 = _converter(nbt.int16, True), _converter(nbt.int16, False)
 
 
 @intrinsic

@@ -68,7 +68,7 @@ class _Family:
         self.params = params                                       # elements per weight
         nbytes = x.numel() * self.itemsize
         self.huge = nbytes >= HUGE_MIN_BYTES and huge_pages_advised()
-        self.stream_bytes = tuning.stream_bytes(self.itemsize)
+        self.stream_bytes = tuning.STREAM_BYTES
         self.stream_fresh = tuning.STREAM_FRESH
 
 

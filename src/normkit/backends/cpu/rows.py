@@ -25,7 +25,7 @@ row of dx while it is in L1.
 
 Arguments are grouped: ``stats = (mean, rstd, var)`` (M,) arrays of the statistics dtype
 (float32; float64 for float64 input), ``out = (stream, ahead)``: stream the output
-(``tuning.stream_bytes``), rows ahead to prefetch (0: none).
+(``tuning.STREAM_BYTES``), rows ahead to prefetch (0: none).
 """
 
 from __future__ import annotations

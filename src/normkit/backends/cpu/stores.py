@@ -8,18 +8,21 @@ stream)``, in place of a plain loop, a streamed twin and a prefetching walk per 
 
 * plain: a loop of ``half.store(dst, i, formula(half.load(a, i).., s..))``, which LLVM
   vectorizes;
-* streamed (``stream`` true, float32/float64 only): the same formula evaluated on whole
-  64-byte vectors and stored with LLVM's ``!nontemporal`` (``vmovntps``/``vmovntpd``),
-  plain stores at the unaligned ends. The vector code is built by calling the *same*
-  Python function on LLVM values (``_Values``: one IR instruction per operator, in the
-  order Python evaluates them, no contraction into FMAs), so it performs the same IEEE
-  operations in the same order as the plain loop: the same bits;
+* streamed (``stream`` true): the same formula evaluated on whole 64-byte vectors and
+  stored with LLVM's ``!nontemporal`` (``vmovntps``/``vmovntpd``), plain stores at the
+  unaligned ends. The vector code is built by calling the *same* Python function on LLVM
+  values (``_Values``: one IR instruction per operator, in the order Python evaluates
+  them, no contraction into FMAs), and half precision is widened and narrowed on the
+  vectors by the IR of ``half.load`` / ``half.store`` (``half.widen``, ``half.narrow``),
+  so it performs the same IEEE operations in the same order as the plain loop: the same
+  bits;
 * prefetch: for float32/float64 the span is written in pieces of
   ``tuning.PREFETCH_PIECE`` elements, each followed by a prefetch into L2 of the same
   piece of the two arrays in ``prefetch`` (rows or planes ahead; empty arrays: none).
 
-Half precision always takes the plain loop over the whole span, unchunked: its pace is
-the conversion in registers, chunking cost it, and it compiles nothing more.
+Half precision takes the whole span in one piece, plain or streamed, and prefetches
+nothing (``tuning.rows_ahead``): its pace is the conversion in registers, and chunking
+cost it.
 
 The channels_last formulas (per-channel coefficients, rows of C elements) go through
 ``rows_store(formula)`` instead, the same plain and streamed code walked a row at a time
@@ -36,7 +39,7 @@ from numba.core import cgutils
 from numba.core import types as nbt
 from numba.extending import intrinsic, overload, register_jitable
 
-from normkit.backends.cpu.half import is_half, load, store
+from normkit.backends.cpu.half import is_half, load, narrow, store, widen
 from normkit.backends.cpu.tuning import PREFETCH_PIECE
 
 __all__ = ["add", "affine_per_channel", "affine_per_element", "affine_scalar",
@@ -151,9 +154,10 @@ class _Values:
 
 def _streamed_codegen(formula, n_arrays, n_scalars):
     """Codegen of ``streamed(dst, arrays, scalars)``: dst[i] = formula(arrays[i].., scalars..)
-    for contiguous 1-d arrays of one float dtype and length, the 64-byte-aligned interior
-    of dst in vectors with non-temporal stores, the unaligned ends element by element with
-    plain ones."""
+    for contiguous 1-d arrays of one length, the 64-byte-aligned interior of dst in vectors
+    with non-temporal stores, the unaligned ends element by element with plain ones. Half
+    precision (dst and any of the arrays) is widened to float32 and narrowed back as
+    ``half.load`` and ``half.store`` do it, on whole vectors."""
     def codegen(context, builder, sig, args):
         i64, i32 = ir.IntType(64), ir.IntType(32)
         dst_t, arrays_t = sig.args[0], sig.args[1]
@@ -161,10 +165,9 @@ def _streamed_codegen(formula, n_arrays, n_scalars):
         arrays = [context.make_array(t)(context, builder, v) for t, v in
                   zip(arrays_t.types, cgutils.unpack_tuple(builder, args[1], n_arrays))]
         scalars = cgutils.unpack_tuple(builder, args[2], n_scalars)
-        out, srcs = dst.data, [a.data for a in arrays]
-        dty = context.get_data_type(dst_t.dtype)
-        size = context.get_abi_sizeof(dty)
-        lanes = 64 // size
+        out, srcs = dst.data, [(a.data, t.dtype) for a, t in zip(arrays, arrays_t.types)]
+        size = context.get_abi_sizeof(context.get_data_type(dst_t.dtype))
+        lanes = 64 // size                                         # a cache line a store
         n = builder.extract_value(dst.shape, 0)
 
         def compute(vals, scals):
@@ -173,29 +176,34 @@ def _streamed_codegen(formula, n_arrays, n_scalars):
         def one_by_one(start, count):
             with cgutils.for_range(builder, count) as loop:
                 i = builder.add(start, loop.index)
-                vals = [builder.load(builder.gep(p, [i])) for p in srcs]
-                builder.store(compute(vals, scalars), builder.gep(out, [i]))
+                vals = [widen(builder, builder.load(builder.gep(p, [i])), t) for p, t in srcs]
+                builder.store(narrow(builder, compute(vals, scalars), dst_t.dtype),
+                              builder.gep(out, [i]))
 
         head = builder.and_(builder.neg(builder.ptrtoint(out, i64)), ir.Constant(i64, 63))
         head = builder.udiv(head, ir.Constant(i64, size))         # elements to alignment
         head = builder.select(builder.icmp_unsigned("<", head, n), head, n)
         one_by_one(ir.Constant(i64, 0), head)
-        vt = ir.VectorType(dty, lanes)
         zeros = ir.Constant(ir.VectorType(i32, lanes), None)
 
         def splat(v):
+            vt = ir.VectorType(v.type, lanes)
             v = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(i32, 0))
             return builder.shuffle_vector(v, v, zeros)
+
+        def vector_at(p, off):
+            vt = ir.VectorType(p.type.pointee, lanes)
+            return builder.bitcast(builder.gep(p, [off]), vt.as_pointer())
         vscalars = [splat(v) for v in scalars]
         nontemporal = builder.module.add_metadata([ir.Constant(i32, 1)])
         blocks = builder.udiv(builder.sub(n, head), ir.Constant(i64, lanes))
         with cgutils.for_range(builder, blocks) as loop:
             off = builder.add(head, builder.mul(loop.index, ir.Constant(i64, lanes)))
-            vals = [builder.load(builder.bitcast(builder.gep(p, [off]), vt.as_pointer()),
-                                 align=size) for p in srcs]
-            st = builder.store(compute(vals, vscalars),
-                               builder.bitcast(builder.gep(out, [off]), vt.as_pointer()),
-                               align=64)
+            vals = [widen(builder, builder.load(vector_at(p, off),
+                                                align=context.get_abi_sizeof(p.type.pointee)),
+                          t) for p, t in srcs]
+            st = builder.store(narrow(builder, compute(vals, vscalars), dst_t.dtype),
+                               vector_at(out, off), align=64)
             st.set_metadata("nontemporal", nontemporal)
         done = builder.add(head, builder.mul(blocks, ir.Constant(i64, lanes)))
         one_by_one(done, builder.sub(n, done))
@@ -204,19 +212,21 @@ def _streamed_codegen(formula, n_arrays, n_scalars):
 
 
 def _streamed(formula):
-    """The intrinsic ``streamed(dst, arrays, scalars)`` of ``formula``: typed only for
-    contiguous 1-d float32 or float64 arrays of one dtype (the scalars cast to it)."""
+    """The intrinsic ``streamed(dst, arrays, scalars)`` of ``formula``: typed for
+    contiguous 1-d arrays, float32 or float64 all of dst's dtype, or a half-precision dst
+    with arrays of its dtype or float32 (the scalars cast to the compute type)."""
     @intrinsic
     def streamed(typingctx, dst, arrays, scalars):
         if not (isinstance(arrays, nbt.BaseTuple) and isinstance(scalars, nbt.BaseTuple)):
             return None
-        every = (dst, *arrays.types)
+        if not isinstance(dst, nbt.Array) or dst.dtype not in (nbt.float32, nbt.float64,
+                                                                nbt.uint16, nbt.int16):
+            return None
+        compute = nbt.float32 if is_half(dst) else dst.dtype
         if not all(isinstance(a, nbt.Array) and a.ndim == 1 and a.layout == "C"
-                   and a.dtype == dst.dtype for a in every):
+                   and a.dtype in (dst.dtype, compute) for a in (dst, *arrays.types)):
             return None
-        if dst.dtype not in (nbt.float32, nbt.float64):
-            return None
-        sig = nbt.none(dst, arrays, nbt.Tuple([dst.dtype] * len(scalars)))
+        sig = nbt.none(dst, arrays, nbt.Tuple([compute] * len(scalars)))
         return sig, _streamed_codegen(formula, len(arrays), len(scalars))
     return streamed
 
@@ -349,8 +359,13 @@ def span_store(formula, streamed=True):
 
     @overload(driver, inline="always")
     def _driver_impl(dst, arrays, scalars, prefetch, stream):
-        if is_half(dst):                                           # plain, whole span
-            return lambda dst, arrays, scalars, prefetch, stream: plain(dst, arrays, scalars)
+        if is_half(dst):                            # whole span, nothing to prefetch
+            def half_span(dst, arrays, scalars, prefetch, stream):
+                if stream and streamed is not None:
+                    streamed(dst, arrays, scalars)
+                else:
+                    plain(dst, arrays, scalars)
+            return half_span
 
         def pieces(dst, arrays, scalars, prefetch, stream):
             n = dst.shape[0]
@@ -397,7 +412,7 @@ def rows_store(formula, streamed=True):
 
     @overload(driver)
     def _driver_impl(dst, row_arrays, channel_arrays, c_, r0, r1, stream, scalars=()):
-        if is_half(dst) or streamed is None:
+        if streamed is None:
             def plain_only(dst, row_arrays, channel_arrays, c_, r0, r1, stream, scalars=()):
                 plain_rows(dst, row_arrays, channel_arrays, c_, r0, r1, scalars)
             return plain_only

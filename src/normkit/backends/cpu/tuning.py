@@ -54,25 +54,19 @@ def last_level_cache_bytes(default=32 << 20, base="/sys/devices/system/cpu/cpu0/
     return max(sizes, default=default)
 
 
-#: bytes: an output at least this large is out of cache by the end of the op anyway, so
-#: it is worth writing around the cache
+#: bytes from which a kernel's output is written with non-temporal (streaming) stores: an
+#: output this large is out of cache by the end of the op anyway. A plain store first
+#: reads the destination line into the cache; a streaming store skips that read, a third
+#: of the traffic of a one-input elementwise op. Where the output's memory is already
+#: mapped (a block the allocator reuses; the C++ plan asks ``mincore`` per call, as
+#: ``_memory.resident`` does) or ``STREAM_FRESH``; every storage dtype (half precision is
+#: converted on the vectors, ``stores``)
 STREAM_BYTES = last_level_cache_bytes()
 
 
 #: whether a freshly mapped output streams too: each of its pages is zeroed as it faults
 #: in, which leaves its lines in cache, and there plain stores measured faster
 STREAM_FRESH = False
-
-
-def stream_bytes(itemsize) -> int:
-    """Bytes from which a kernel's output is written with non-temporal (streaming) stores,
-    0: never. A plain store first reads the destination line into the cache; a streaming
-    store skips that read, a third of the traffic of a one-input elementwise op. So a
-    float32 or float64 output of at least ``STREAM_BYTES`` streams, where its memory is
-    already mapped (a block the allocator reuses; the C++ plan asks ``mincore`` per call,
-    as ``_memory.resident`` does) or ``STREAM_FRESH``. Half-precision outputs store
-    plainly: their kernels' pace is the conversion in registers, not the memory."""
-    return STREAM_BYTES if itemsize >= 4 else 0
 
 
 #: bytes of x, the residual, h and y together from which the residual-add norms take the
