@@ -85,6 +85,10 @@ ONE_PASS_ADD = STREAM_BYTES
 #: and the hardware prefetcher stops at each 4 KiB page: this keeps memory busy meanwhile
 AHEAD_BYTES = 8 << 10
 
+#: bytes: the channels_last reductions prefetch ahead in arrays from this size (a core's
+#: L2 here); below it the array is in cache and the prefetches only cost (``moments``)
+AHEAD_FROM_BYTES = 1 << 20
+
 #: elements: the output of a row or plane is written in pieces of this many, each followed
 #: by the prefetch of the same piece ahead (spread out: a whole row at once gained nothing)
 PREFETCH_PIECE = 512
