@@ -85,20 +85,21 @@ def test_plane_merge_over_planes(dtype, offset):
 
 
 @njit
-def _cl_moments(xn, c_, s0, s1, block, run, mean, m2):
+def _cl_moments(xn, c_, s0, s1, block, run, mean, m2, fetch):
     scratch = moments.lane_scratch(c_, run, xn)
-    moments.cl_range_moments(xn, c_, s0, s1, block, run, mean, m2, scratch)
+    moments.cl_range_moments(xn, c_, s0, s1, block, run, mean, m2, scratch, fetch)
 
 
+@pytest.mark.parametrize("fetch", [False, True])
 @pytest.mark.parametrize("block,run", [(1, 1), (4, 2), (16, 4), (1000, 8)])
-def test_channels_last_range_moments(block, run):
+def test_channels_last_range_moments(block, run, fetch):
     # per-channel moments of rows [s0, s1) of an (S, C) sample, in blocks of rows read
-    # as runs of rows (partial blocks and runs at the end)
+    # as runs of rows (partial blocks and runs at the end), prefetching ahead or not
     rng = np.random.default_rng(2)
     c_, s_ = 5, 53
     x = (rng.standard_normal((s_, c_)) * np.arange(1, c_ + 1) + 1e2).astype(np.float32)
     mean, m2 = np.empty(c_), np.empty(c_)
-    _cl_moments(x.reshape(-1), c_, 3, 50, block, run, mean, m2)
+    _cl_moments(x.reshape(-1), c_, 3, 50, block, run, mean, m2, fetch)
     rows = x[3:50].astype(np.float64)
     np.testing.assert_allclose(mean, rows.mean(0), rtol=1e-6)
     np.testing.assert_allclose(m2, ((rows - rows.mean(0)) ** 2).sum(0), rtol=1e-4)
@@ -122,17 +123,18 @@ def test_fold_lanes():
 
 
 @njit
-def _cl_grad_sums(gn, xn, c_, s0, s1, block, run, mean, rstd, sg, sgx):
+def _cl_grad_sums(gn, xn, c_, s0, s1, block, run, mean, rstd, sg, sgx, fetch):
     lanes = moments.grad_lanes(c_, run, xn)
     for r in range(run):
         lanes[2][r * c_:(r + 1) * c_] = mean
-    moments.cl_range_grad_sums(gn, xn, c_, s0, s1, block, run, lanes, rstd, sg, sgx)
+    moments.cl_range_grad_sums(gn, xn, c_, s0, s1, block, run, lanes, rstd, sg, sgx, fetch)
 
 
+@pytest.mark.parametrize("fetch", [False, True])
 @pytest.mark.parametrize("block,run", [(1, 1), (4, 2), (16, 4), (1000, 8)])
-def test_channels_last_range_grad_sums(block, run):
+def test_channels_last_range_grad_sums(block, run, fetch):
     # sums of g and g * xhat per channel over rows [s0, s1), two runs per pass and the
-    # runs and rows left at the end
+    # runs and rows left at the end, prefetching ahead or not
     rng = np.random.default_rng(4)
     c_, s_ = 5, 53
     x = (rng.standard_normal((s_, c_)) + 10.0).astype(np.float32)
@@ -140,7 +142,20 @@ def test_channels_last_range_grad_sums(block, run):
     mean = x.mean(0).astype(np.float32)
     rstd = (1.0 / x.std(0)).astype(np.float32)
     sg, sgx = np.zeros(c_), np.zeros(c_)
-    _cl_grad_sums(g.reshape(-1), x.reshape(-1), c_, 3, 50, block, run, mean, rstd, sg, sgx)
+    _cl_grad_sums(g.reshape(-1), x.reshape(-1), c_, 3, 50, block, run, mean, rstd, sg, sgx,
+                  fetch)
     rows, grows = x[3:50].astype(np.float64), g[3:50].astype(np.float64)
     np.testing.assert_allclose(sg, grows.sum(0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(sgx, (grows * (rows - mean) * rstd).sum(0), rtol=1e-4, atol=1e-4)
+
+
+def test_from_memory_threshold():
+    # the reductions prefetch over inputs of at least AHEAD_FROM_BYTES (the last-level
+    # cache's size), counted over the whole input whatever its shape
+    from normkit.backends.cpu import tuning
+
+    n = tuning.AHEAD_FROM_BYTES // 4
+    f = njit(lambda a: moments.from_memory(a))
+    assert f(np.zeros(n, np.float32)) and not f(np.zeros(n - 1, np.float32))
+    assert f(np.zeros((2, n // 2), np.float32)) and not f(np.zeros((2, n // 4), np.float32))
+    assert tuning.AHEAD_FROM_BYTES == tuning.STREAM_BYTES

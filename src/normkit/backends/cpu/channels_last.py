@@ -33,8 +33,8 @@ import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from normkit.backends.cpu.moments import (cl_range_grad_sums, cl_range_moments, grad_lanes,
-                                          lane_scratch, merge_channels)
+from normkit.backends.cpu.moments import (cl_range_grad_sums, cl_range_moments, from_memory,
+                                          grad_lanes, lane_scratch, merge_channels)
 from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.stores import fence, store_affine_per_channel, store_dx_per_channel
 from normkit.stats_numba import chan_merge
@@ -59,10 +59,12 @@ def nc_moments(x, c_, parts, blocks, sdt, partials, lo, hi):
     pmean, pm2 = partials
     s_ = x.shape[1] // c_
     scratch = lane_scratch(c_, run, sdt)
+    fetch = from_memory(x)
     for t in range(lo, hi):
         n, s0, s1 = _range(t, parts, s_)
         p = t % parts
-        cl_range_moments(x[n], c_, s0, s1, block, run, pmean[n, p], pm2[n, p], scratch)
+        cl_range_moments(x[n], c_, s0, s1, block, run, pmean[n, p], pm2[n, p], scratch,
+                         fetch)
 
 
 @njit(**JIT)
@@ -79,8 +81,9 @@ def cl_sample_forward(x, y, w, b, eps, c_, groups, blocks, stats, stream, lo, hi
     scratch = lane_scratch(c_, run, mean)
     mu = np.empty(c_, dtype=mean.dtype)
     scale = np.empty(c_, dtype=mean.dtype)
+    fetch = from_memory(x)
     for n in range(lo, hi):
-        cl_range_moments(x[n], c_, 0, s_, block, run, cmean, cm2, scratch)
+        cl_range_moments(x[n], c_, 0, s_, block, run, cmean, cm2, scratch, fetch)
         for g in range(groups):
             gm, m2 = merge_channels(cmean, cm2, np.float64(s_), g * cg, (g + 1) * cg)
             v = m2 / (cg * s_)
@@ -120,6 +123,7 @@ def nc_grad_sums(g, x, c_, parts, blocks, stats_nc, partials, lo, hi):
     psg, psgx = partials
     s_ = x.shape[1] // c_
     lanes = grad_lanes(c_, run, mu)
+    fetch = from_memory(x)
     for t in range(lo, hi):
         n, s_begin, s_end = _range(t, parts, s_)
         p = t % parts
@@ -128,7 +132,8 @@ def nc_grad_sums(g, x, c_, parts, blocks, stats_nc, partials, lo, hi):
         sgx[:] = 0.0
         for r in range(run):
             lanes[2][r * c_:(r + 1) * c_] = mu[n]
-        cl_range_grad_sums(g[n], x[n], c_, s_begin, s_end, block, run, lanes, rs[n], sg, sgx)
+        cl_range_grad_sums(g[n], x[n], c_, s_begin, s_end, block, run, lanes, rs[n], sg, sgx,
+                           fetch)
 
 
 @njit(**JIT)

@@ -41,8 +41,8 @@ import math
 import numpy as np
 from numba import njit
 
-from normkit.backends.cpu.moments import (cl_range_grad_sums, cl_range_moments, grad_lanes,
-                                          lane_scratch)
+from normkit.backends.cpu.moments import (cl_range_grad_sums, cl_range_moments, from_memory,
+                                          grad_lanes, lane_scratch)
 from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.act_stores import (ACT_NONE, store_affine_per_channel_act,
                                              store_dx_per_channel_act)
@@ -67,9 +67,10 @@ def chunk_moments(x, c_, chunk, sdt, sums, lo, hi):
     means, m2s = sums
     m = x.shape[0] // c_
     scratch = lane_scratch(c_, run, sdt)
+    fetch = from_memory(x)
     for u in range(lo, hi):
         r0, r1 = _rows_of(u, rows, m)
-        cl_range_moments(x, c_, r0, r1, rows, run, means[u], m2s[u], scratch)
+        cl_range_moments(x, c_, r0, r1, rows, run, means[u], m2s[u], scratch, fetch)
 
 
 @njit(**JIT)
@@ -119,6 +120,7 @@ def chunk_grad_sums(g, x, stats, chunk, sums, params, act, lo, hi):
     c_ = mean.shape[0]
     m = x.shape[0] // c_
     lanes = grad_lanes(c_, run, mean)
+    fetch = from_memory(x)
     for r in range(run):
         lanes[2][r * c_:(r + 1) * c_] = mean
     if act[0] == ACT_NONE:     # (a loop without the activation's code: planes.channels_fixed)
@@ -126,7 +128,7 @@ def chunk_grad_sums(g, x, stats, chunk, sums, params, act, lo, hi):
             r0, r1 = _rows_of(u, rows, m)
             sg[u, :] = 0.0
             sgx[u, :] = 0.0
-            cl_range_grad_sums(g, x, c_, r0, r1, rows, run, lanes, rstd, sg[u], sgx[u])
+            cl_range_grad_sums(g, x, c_, r0, r1, rows, run, lanes, rstd, sg[u], sgx[u], fetch)
         return
     w, b = params
     scale, shift = np.empty(run * c_, mean.dtype), np.empty(run * c_, mean.dtype)
@@ -138,7 +140,8 @@ def chunk_grad_sums(g, x, stats, chunk, sums, params, act, lo, hi):
         r0, r1 = _rows_of(u, rows, m)
         sg[u, :] = 0.0
         sgx[u, :] = 0.0
-        cl_range_grad_sums(g, x, c_, r0, r1, rows, run, lanes, rstd, sg[u], sgx[u], lane_act)
+        cl_range_grad_sums(g, x, c_, r0, r1, rows, run, lanes, rstd, sg[u], sgx[u], fetch,
+                           lane_act)
 
 
 @njit(**JIT)

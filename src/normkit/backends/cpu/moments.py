@@ -28,7 +28,7 @@ from normkit.backends.cpu.tuning import AHEAD_BYTES, AHEAD_FROM_BYTES
 from normkit.stats_numba import chan_merge
 
 __all__ = ["cl_range_grad_sums", "cl_range_moments", "fold_lanes", "grad_lanes",
-           "lane_scratch", "merge_channels", "plane_merge", "two_pass"]
+           "from_memory", "lane_scratch", "merge_channels", "plane_merge", "two_pass"]
 
 
 # ---- rows and NCHW planes ------------------------------------------------------------
@@ -106,20 +106,26 @@ def grad_lanes(c_, run, sdt):
             np.empty(run * c_, sdt.dtype), np.empty(c_, sdt.dtype))
 
 
+@register_jitable
+def from_memory(a):
+    """Whether the reductions over ``a`` (a whole input) prefetch ahead: ``a`` is at least
+    ``tuning.AHEAD_FROM_BYTES``, so its rows come from memory, once."""
+    return a.size * a.itemsize >= AHEAD_FROM_BYTES
+
+
 @register_jitable(inline="always")
-def _fetch_ahead(a, i0, count):
-    """Prefetch ``count`` elements of a, ``AHEAD_BYTES`` past a[i0], where a is larger than
-    a core's L2 (``AHEAD_FROM_BYTES``): the reductions read such rows once from memory,
-    and the hardware prefetcher stops at each 4 KiB page (bfloat16 GroupNorm on
-    channels_last, (32, 256, 56, 56): a sample's moments 1.7 ms against 2.9 without);
-    smaller arrays are in cache, where the prefetches cost 3-7 % of a call."""
-    if a.shape[0] * a.itemsize >= AHEAD_FROM_BYTES:
+def _fetch_ahead(a, i0, count, fetch):
+    """Where ``fetch``, prefetch ``count`` elements of a, ``AHEAD_BYTES`` past a[i0]: the
+    hardware prefetcher stops at each 4 KiB page (bfloat16 GroupNorm on channels_last,
+    (32, 256, 56, 56): a sample's moments 1.7 ms against 2.9 without). In cache the
+    prefetches only cost (9 % of a float32 forward of two 3 MB samples)."""
+    if fetch:
         ahead = i0 + AHEAD_BYTES // a.itemsize
         prefetch_lines(a, ahead, ahead + count)
 
 
 @register_jitable
-def _lane_sums(xn, c_, s0, s1, run, sums):
+def _lane_sums(xn, c_, s0, s1, run, sums, fetch):
     """sums[j] += x of lane j over the rows [s0, s1) of xn: (S*C,), read as runs of
     ``run`` rows. Two runs per iteration: each lane is loaded and stored once per two
     runs (the loop is bound by the lanes' loads and stores, not by x)."""
@@ -129,7 +135,7 @@ def _lane_sums(xn, c_, s0, s1, run, sums):
         xa, xb = xn[g0 * c_:g0 * c_ + width], xn[g0 * c_ + width:g0 * c_ + 2 * width]
         for j in range(width):
             sums[j] += load(xa, j) + load(xb, j)
-        _fetch_ahead(xn, g0 * c_, 2 * width)
+        _fetch_ahead(xn, g0 * c_, 2 * width, fetch)
         g0 += 2 * run
     for g in range(g0, s1, run):
         xs = xn[g * c_:min(s1, g + run) * c_]                      # <= run*C
@@ -138,7 +144,7 @@ def _lane_sums(xn, c_, s0, s1, run, sums):
 
 
 @register_jitable
-def _lane_shifted_sums(xn, c_, s0, s1, run, shift, sums, squares):
+def _lane_shifted_sums(xn, c_, s0, s1, run, shift, sums, squares, fetch):
     """sums[j] += d, squares[j] += d * d, d = x - shift[j], over the rows [s0, s1) of xn,
     two runs per iteration as ``_lane_sums``."""
     width = run * c_
@@ -150,7 +156,7 @@ def _lane_shifted_sums(xn, c_, s0, s1, run, shift, sums, squares):
             db = load(xb, j) - shift[j]
             sums[j] += da + db
             squares[j] += da * da + db * db
-        _fetch_ahead(xn, g0 * c_, 2 * width)
+        _fetch_ahead(xn, g0 * c_, 2 * width, fetch)
         g0 += 2 * run
     for g in range(g0, s1, run):
         xs = xn[g * c_:min(s1, g + run) * c_]
@@ -161,7 +167,7 @@ def _lane_shifted_sums(xn, c_, s0, s1, run, shift, sums, squares):
 
 
 @register_jitable
-def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch):
+def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch, fetch):
     """Per-channel mean and M2 (float64, written to mean, m2: (C,)) of the rows
     [s_begin, s_end) of one channels_last sample xn: (S*C,), over blocks of ``block``
     rows Chan-merged in float64. A block is read as runs of ``run`` rows, run*C
@@ -177,7 +183,7 @@ def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch):
         nb = s1 - s0
         if count == 0.0:                                           # the block's own mean
             sums[:] = 0.0
-            _lane_sums(xn, c_, s0, s1, run, sums)
+            _lane_sums(xn, c_, s0, s1, run, sums, fetch)
             fold_lanes(sums, csum, c_, run)
             inv = like(csum, 1.0 / nb)
             for c in range(c_):
@@ -189,7 +195,7 @@ def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch):
             shift[r * c_:(r + 1) * c_] = csum
         sums[:] = 0.0
         squares[:] = 0.0
-        _lane_shifted_sums(xn, c_, s0, s1, run, shift, sums, squares)
+        _lane_shifted_sums(xn, c_, s0, s1, run, shift, sums, squares, fetch)
         fold_lanes(sums, csum, c_, run)
         fold_lanes(squares, csq, c_, run)
         for c in range(c_):
@@ -201,7 +207,7 @@ def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch):
 
 
 @register_jitable
-def _lane_grad_sums(gn, xn, c_, s0, s1, run, lanes):
+def _lane_grad_sums(gn, xn, c_, s0, s1, run, lanes, fetch):
     """lane_g[j] += g, lane_gx[j] += g * (x - lane_mean[j]) over the rows [s0, s1) of gn,
     xn, two runs per iteration as ``_lane_sums``."""
     lane_g, lane_gx, lane_mean, _ = lanes
@@ -215,8 +221,8 @@ def _lane_grad_sums(gn, xn, c_, s0, s1, run, lanes):
             gi, gk = load(ga, j), load(gb, j)
             lane_g[j] += gi + gk
             lane_gx[j] += gi * (load(xa, j) - m) + gk * (load(xb, j) - m)
-        _fetch_ahead(xn, i0, 2 * width)
-        _fetch_ahead(gn, i0, 2 * width)
+        _fetch_ahead(xn, i0, 2 * width, fetch)
+        _fetch_ahead(gn, i0, 2 * width, fetch)
         g0 += 2 * run
     for g in range(g0, s1, run):
         i0, i1 = g * c_, min(s1, g + run) * c_
@@ -228,7 +234,7 @@ def _lane_grad_sums(gn, xn, c_, s0, s1, run, lanes):
 
 
 @register_jitable
-def _lane_grad_sums_act(gn, xn, c_, s0, s1, run, lanes, act):
+def _lane_grad_sums_act(gn, xn, c_, s0, s1, run, lanes, act, fetch):
     """``_lane_grad_sums`` of g' = g * act'(z), z = (x - mean) * (rstd * w) + b (the
     forward's z, bit for bit: ``act_stores``), a run at a time; ``act = (code, clamp,
     silu, lane scale rstd * w, lane b)``, the lanes repeated over a run as the mean."""
@@ -251,13 +257,13 @@ def _lane_grad_sums_act(gn, xn, c_, s0, s1, run, lanes, act):
                                 top, leaky)
                 lane_g[j] += gi
                 lane_gx[j] += gi * d
-        _fetch_ahead(xn, i0, i1 - i0)
-        _fetch_ahead(gn, i0, i1 - i0)
+        _fetch_ahead(xn, i0, i1 - i0, fetch)
+        _fetch_ahead(gn, i0, i1 - i0, fetch)
 
 
 @register_jitable
 def cl_range_grad_sums(gn, xn, c_, s_begin, s_end, block, run, lanes, rstd, sg, sgx,
-                       act=None):
+                       fetch, act=None):
     """Per-channel sums of g and g * xhat (float64, added into sg, sgx: (C,)) over the
     rows [s_begin, s_end) of one channels_last sample gn, xn: (S*C,). Per block of
     ``block`` rows the sums of g and g * (x - mean) accumulate in lanes of the statistics
@@ -269,9 +275,10 @@ def cl_range_grad_sums(gn, xn, c_, s_begin, s_end, block, run, lanes, rstd, sg, 
         lane_g[:] = 0.0
         lane_gx[:] = 0.0
         if act is None:
-            _lane_grad_sums(gn, xn, c_, s0, min(s_end, s0 + block), run, lanes)
+            _lane_grad_sums(gn, xn, c_, s0, min(s_end, s0 + block), run, lanes, fetch)
         else:
-            _lane_grad_sums_act(gn, xn, c_, s0, min(s_end, s0 + block), run, lanes, act)
+            _lane_grad_sums_act(gn, xn, c_, s0, min(s_end, s0 + block), run, lanes, act,
+                                fetch)
         fold_lanes(lane_g, folded, c_, run)
         for c in range(c_):
             sg[c] += folded[c]

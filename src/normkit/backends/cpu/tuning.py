@@ -85,9 +85,10 @@ ONE_PASS_ADD = STREAM_BYTES
 #: and the hardware prefetcher stops at each 4 KiB page: this keeps memory busy meanwhile
 AHEAD_BYTES = 8 << 10
 
-#: bytes: the channels_last reductions prefetch ahead in arrays from this size (a core's
-#: L2 here); below it the array is in cache and the prefetches only cost (``moments``)
-AHEAD_FROM_BYTES = 1 << 20
+#: bytes: the channels_last reductions prefetch ahead over inputs from this size (the
+#: last-level cache's: they come from memory); below it they are in cache, where the
+#: prefetches only cost (``moments.from_memory``)
+AHEAD_FROM_BYTES = STREAM_BYTES
 
 #: elements: the output of a row or plane is written in pieces of this many, each followed
 #: by the prefetch of the same piece ahead (spread out: a whole row at once gained nothing)
