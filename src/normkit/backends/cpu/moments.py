@@ -115,10 +115,9 @@ def from_memory(a):
 
 @register_jitable(inline="always")
 def _fetch_ahead(a, i0, count, fetch):
-    """Where ``fetch``, prefetch ``count`` elements of a, ``AHEAD_BYTES`` past a[i0]: the
-    hardware prefetcher stops at each 4 KiB page (bfloat16 GroupNorm on channels_last,
-    (32, 256, 56, 56): a sample's moments 1.7 ms against 2.9 without). In cache the
-    prefetches only cost (9 % of a float32 forward of two 3 MB samples)."""
+    """Where ``fetch``, prefetch ``count`` elements of a, ``AHEAD_BYTES`` past a[i0]: rows
+    read once from memory keep a miss in flight past each 4 KiB page, where the hardware
+    prefetcher stops; in cache the prefetches only cost (docs/performance.md)."""
     if fetch:
         ahead = i0 + AHEAD_BYTES // a.itemsize
         prefetch_lines(a, ahead, ahead + count)
@@ -173,7 +172,8 @@ def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch, fetc
     rows Chan-merged in float64. A block is read as runs of ``run`` rows, run*C
     consecutive elements summed into as many lanes of the statistics dtype and folded to
     channels per block. ``scratch`` = (lane sums, lane squares, lane shifts: (run*C,);
-    channel sums, channel squares: (C,)), arrays of the statistics dtype."""
+    channel sums, channel squares: (C,)), arrays of the statistics dtype. ``fetch``:
+    prefetch ahead (``from_memory`` of the whole input)."""
     sums, squares, shift, csum, csq = scratch
     mean[:] = 0.0
     m2[:] = 0.0
@@ -268,8 +268,9 @@ def cl_range_grad_sums(gn, xn, c_, s_begin, s_end, block, run, lanes, rstd, sg, 
     rows [s_begin, s_end) of one channels_last sample gn, xn: (S*C,). Per block of
     ``block`` rows the sums of g and g * (x - mean) accumulate in lanes of the statistics
     dtype, then go to float64 (the second times rstd). ``lanes`` = (lane g, lane g * (x -
-    mean), the mean repeated over a run: (run*C,); folded: (C,)). ``act`` (BatchNorm with
-    an activation, ``_lane_grad_sums_act``): the sums of g' = g * act'(z) instead."""
+    mean), the mean repeated over a run: (run*C,); folded: (C,)). ``fetch``: prefetch
+    ahead, as ``cl_range_moments``. ``act`` (BatchNorm with an activation,
+    ``_lane_grad_sums_act``): the sums of g' = g * act'(z) instead."""
     lane_g, lane_gx, lane_mean, folded = lanes
     for s0 in range(s_begin, s_end, block):
         lane_g[:] = 0.0
