@@ -42,6 +42,20 @@ def test_convert_swaps_exact_types_and_keeps_tensors():
     assert "swapped 5 module(s), routed 0, left 1" in str(report)
 
 
+def test_report_used_as_the_model_says_what_convert_returns():
+    """``model = normkit.convert(model)`` (as torch's convert_sync_batchnorm is used) gets
+    the report: its errors name report.model; the report's own fields and copies work."""
+    report = normkit.convert(_toy())
+    with pytest.raises(AttributeError, match=r"no 'parameters'.*report\.model\.parameters"):
+        report.parameters()
+    with pytest.raises(TypeError, match=r"not a model.*report\.model\(\.\.\.\)"):
+        report(torch.randn(2, 3, 8, 8))
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_field'"):
+        report.no_such_field
+    plain = normkit.convert(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8)))
+    assert copy.deepcopy(plain).swapped == plain.swapped
+
+
 def test_revert_restores_torch_layers():
     model = _toy()
     model(torch.randn(2, 3, 8, 8))  # materializes the lazy layer into a plain BatchNorm1d

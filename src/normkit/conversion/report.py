@@ -48,6 +48,20 @@ class ConversionReport:
     activations_fused: list = field(default_factory=list)
     activations_left: list = field(default_factory=list)
 
+    def __getattr__(self, name):
+        # (only where the normal lookup failed) a model's attribute asked of the report:
+        # say what convert returns rather than a bare AttributeError
+        if not name.startswith("__") and hasattr(self.__dict__.get("model"), name):
+            raise AttributeError(
+                f"a ConversionReport has no {name!r}: convert changes the model in place "
+                f"and returns this report; use the model itself, or report.model.{name}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError("a ConversionReport is not a model: convert changes the model in "
+                        "place and returns this report; call the model itself, or "
+                        "report.model(...)")
+
     @property
     def skipped(self) -> list:
         """The former name of ``left``."""
