@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 	# the CPU build of torch; any other spec would pull a multi-GB CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
-	# compile the C++ node of the small calls now rather than at the first call (~35 s)
-	$(BIN)/python -m normkit.backends.cpu
+	# build the C++ executor and compile the kernels now rather than at the first calls
+	$(BIN)/python -m normkit.backends.cpu --dtypes all
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -113,3 +113,52 @@ def test_kernels_round_the_same_compiled_or_loaded_from_the_cache(tmp_path):
     compiled, loaded = (r.stdout.split() for r in runs)
     assert list(tmp_path.rglob("*.nbc")), "the first run cached nothing"
     assert compiled == loaded
+
+
+_COMPILE_RUN = """
+import sys
+import torch
+from normkit.backends.cpu import args, entries, plans
+args.NOTICE_AFTER_S = 0.0          # every compilation or load counts as slow
+if sys.argv[1] == "ahead":
+    plans.compile_entry("planes_small", ["float64"])
+else:
+    args.callback(entries.planes_small, *plans.protos(torch.float64))
+    args.callback(entries.planes_small, *plans.protos(torch.float32))
+"""
+
+
+def test_a_compilation_says_so_once_and_compiling_ahead_says_nothing(tmp_path):
+    """A kernel compiling at a call prints one line on standard error, once per process;
+    ``compile_entry`` (``python -m normkit.backends.cpu``) compiles into the cache
+    without it."""
+    import os
+    import subprocess
+    import sys
+
+    from normkit.backends.cpu import args
+
+    def run(which, folder):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / folder))
+        r = subprocess.run([sys.executable, "-c", _COMPILE_RUN, which], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stderr
+
+    assert run("call", "a").count(args._NOTICE) == 1
+    assert args._NOTICE not in run("ahead", "b")
+    assert list((tmp_path / "b").rglob("*planes_small*.nbc"))
+
+
+def test_compiling_ahead_from_the_command_line(monkeypatch, capsys):
+    """``python -m normkit.backends.cpu``: the executor, then each entry for the dtypes
+    asked for, in worker processes."""
+    from normkit.backends.cpu import __main__ as ahead
+    from normkit.backends.cpu import entries
+
+    monkeypatch.setattr(entries, "__all__", ["planes_small"])
+    assert ahead.main(["--dtypes", "float64", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "executor: ready" in out and "1 entries for float64" in out
+    with pytest.raises(SystemExit):
+        ahead.main(["--dtypes", "float8"])

@@ -30,12 +30,14 @@ from __future__ import annotations
 import functools
 import inspect
 import struct
+import sys
+import threading
 from typing import NamedTuple
 
 from numba import cfunc, types
 
 __all__ = ["SLOTS", "TENSORS", "PER_CALL", "CONSTANTS", "Work", "callback", "constants",
-           "float_bits", "parameters"]
+           "float_bits", "parameters", "quiet", "NOTICE_AFTER_S"]
 
 TENSORS = ("x", "y", "w", "b", "mean", "rstd", "var", "g", "dx", "dw", "db", "scratch", "r", "h",
            "gh")
@@ -100,11 +102,30 @@ def constants(plan, *entries) -> list:
 
 _CALLBACKS = {}
 
+#: a compilation still running after this many seconds (not a load from numba's cache)
+#: prints ``_NOTICE`` on standard error, once per process
+NOTICE_AFTER_S = 1.0
+_NOTICE = ("normkit: compiling the CPU kernels of this kind of call (1-13 s each, once per "
+           "machine: cached on disk); `python -m normkit.backends.cpu` compiles them ahead")
+_noticed = threading.Event()
+
+
+def quiet() -> None:
+    """No compilation notice in this process (it compiles ahead, on purpose)."""
+    _noticed.set()
+
+
+def _notice() -> None:
+    if not _noticed.is_set():
+        _noticed.set()
+        print(_NOTICE, file=sys.stderr, flush=True)
+
 
 def callback(entry, proto, sproto):
     """``entry`` as a C callback ``void(int64 *a, double eps)`` for one storage and
     statistics dtype (compiled once per process, or loaded from numba's cache): its body
-    is generated from the entry's parameters, one slot read each."""
+    is generated from the entry's parameters, one slot read each. A compilation says so
+    on standard error (``NOTICE_AFTER_S``), once per process."""
     key = (entry.__name__, proto.dtype, sproto.dtype)
     found = _CALLBACKS.get(key)
     if found is None:
@@ -116,6 +137,12 @@ def callback(entry, proto, sproto):
         # (compiled as this file, and under this module's name: numba's cache needs both)
         namespace = {"entry": entry, "__name__": __name__}
         exec(compile(source, __file__, "exec"), namespace)
-        found = _CALLBACKS[key] = cfunc(_SIGNATURE, cache=True)(namespace["make"](proto,
-                                                                                  sproto))
+        timer = threading.Timer(NOTICE_AFTER_S, _notice)
+        timer.daemon = True
+        timer.start()
+        try:
+            found = cfunc(_SIGNATURE, cache=True)(namespace["make"](proto, sproto))
+        finally:
+            timer.cancel()
+        _CALLBACKS[key] = found
     return found

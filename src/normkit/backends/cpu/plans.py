@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 from normkit.backends._memory import HUGE_MIN_BYTES, huge_pages_advised
-from normkit.backends.cpu import entries, tuning
+from normkit.backends.cpu import args, entries, tuning
 from normkit.backends.cpu.args import Work, float_bits
 from normkit.backends.torch_ops import stat_dtype
 
-__all__ = ["Rows", "Planes", "Columns", "ChannelsLast", "storage_proto"]
+__all__ = ["Rows", "Planes", "Columns", "ChannelsLast", "compile_entry", "protos",
+           "storage_proto"]
 
 # storage dtype seen by the kernels for each torch dtype (see ``half``)
 _STORAGE = {torch.float64: np.float64, torch.float32: np.float32, torch.bfloat16: np.uint16,
@@ -37,6 +38,22 @@ def storage_proto(dtype):
     """An empty array of the storage dtype the kernels see for ``dtype`` (16-bit floats as
     integers, ``half``)."""
     return np.empty(0, _STORAGE[dtype])
+
+
+def protos(dtype):
+    """``(proto, sproto)``: empty arrays of the storage and the statistics dtype of the
+    kernels of a ``dtype`` input (what ``args.callback`` compiles for)."""
+    return storage_proto(dtype), np.empty(0, _NP_STAT[stat_dtype(dtype)])
+
+
+def compile_entry(name: str, dtypes) -> str:
+    """Compile (or load from numba's cache) the kernel entry ``name`` of ``entries`` for
+    the input dtypes named ``dtypes`` (``python -m normkit.backends.cpu``: compiling is
+    what was asked for, so without the first compilation's notice)."""
+    args.quiet()
+    for dtype in dtypes:
+        args.callback(getattr(entries, name), *protos(getattr(torch, dtype)))
+    return name
 
 
 class _Family:
@@ -60,8 +77,7 @@ class _Family:
         self.act = 0 if act is None else act.code
         self.slope = float_bits(0.0 if act is None else act.slope)
         self.sdtype = stat_dtype(x.dtype)
-        self.proto = storage_proto(x.dtype)
-        self.sproto = np.empty(0, _NP_STAT[self.sdtype])
+        self.proto, self.sproto = protos(x.dtype)
         self.itemsize = x.element_size()
         self.threads = tuning.threads(x)
         self.stat_shape = grouping.stat_shape
