@@ -26,7 +26,13 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as error:   # (an optional dependency)
+    from normkit._extras import needs
+
+    raise needs(error, "normkit.fold") from None
+
 from torch import fx, nn
 
 import normkit.nn as nknn

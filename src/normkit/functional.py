@@ -15,7 +15,12 @@ the output in the input's dtype.
 
 from __future__ import annotations
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as error:   # (an optional dependency)
+    from normkit._extras import needs
+
+    raise needs(error, "normkit.functional") from None
 
 from normkit import backends, ops
 from normkit import grouping as G

@@ -50,7 +50,12 @@ for ``ExportedProgram.run_decompositions``.
 
 from __future__ import annotations
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as error:   # (an optional dependency)
+    from normkit._extras import needs
+
+    raise needs(error, "normkit.ops") from None
 
 from normkit import backends
 from normkit import grouping as G

@@ -42,7 +42,16 @@ def main(argv=None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 0
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as error:
+        from normkit._extras import message
+
+        text = message(error, f"normkit {args.command}")
+        if text is None:
+            raise
+        print(text, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

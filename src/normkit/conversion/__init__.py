@@ -40,7 +40,12 @@ from __future__ import annotations
 import itertools
 import warnings
 
-from torch import nn
+try:
+    from torch import nn
+except ModuleNotFoundError as error:   # (an optional dependency)
+    from normkit._extras import needs
+
+    raise needs(error, "normkit.convert") from None
 
 import normkit.nn as nknn
 from normkit.conversion import activation, emulate, fuse, llm, route, swap

@@ -1,7 +1,13 @@
 """Layers with ``torch.nn``'s exact constructor signatures, defaults, attributes and
 state_dict keys, running normkit's functional ops."""
 
-from normkit.nn.batch_renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d
+try:
+    from normkit.nn.batch_renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d
+except ModuleNotFoundError as error:   # (an optional dependency)
+    from normkit._extras import needs
+
+    raise needs(error, "normkit.nn") from None
+
 from normkit.nn.batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from normkit.nn.instancenorm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from normkit.nn.normalization import GroupNorm, LayerNorm, RMSNorm

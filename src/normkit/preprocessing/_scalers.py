@@ -31,7 +31,14 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
-from sklearn.base import BaseEstimator, OneToOneFeatureMixin, TransformerMixin
+
+try:
+    from sklearn.base import BaseEstimator, OneToOneFeatureMixin, TransformerMixin
+except ModuleNotFoundError as error:   # (an optional dependency)
+    from normkit._extras import needs
+
+    raise needs(error, "normkit.preprocessing") from None
+
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
 from normkit.preprocessing import _kernels, _persist
