@@ -162,3 +162,45 @@ def test_compiling_ahead_from_the_command_line(monkeypatch, capsys):
     assert "executor: ready" in out and "1 entries for float64" in out
     with pytest.raises(SystemExit):
         ahead.main(["--dtypes", "float8"])
+
+
+@pytest.mark.parametrize("op,shape,threads,entry", [
+    ("batch", (8, 32, 32, 32), 2, "channels_fixed"),
+    ("batch", (8, 32, 32, 32), 1, "channels_forward"),
+    ("batch", (8, 32, 4, 4), 1, "channels_small"),
+    ("instance", (8, 32, 32, 32), 1, "planes_forward"),
+    ("instance", (8, 32, 4, 4), 1, "planes_small")])
+def test_given_statistics_round_as_x_minus_mean(op, shape, threads, entry):
+    """With given statistics (eval BatchNorm, InstanceNorm's running statistics) the NCHW
+    kernels compute ``(x - mean) * (rstd * w) + b``: within 2 rounding units of its terms'
+    size of the float64 result, far-off inputs included. (Shifted by x[0, c, 0] as in
+    training they were up to 25-650 units off at an offset of 0; torch's ``x * a + b``
+    form is 1000s of units off at an offset of 100.)"""
+    from normkit.backends.cpu import plans
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        c = shape[1]
+        for offset in (0.0, 100.0):
+            x = torch.randn(shape, generator=gen) * 3 + offset
+            mean = torch.randn(c, generator=gen) + offset
+            var = torch.rand(c, generator=gen) * 2 + 0.5
+            w, b = torch.randn(c, generator=gen), torch.randn(c, generator=gen)
+            grouping = G.batch(shape) if op == "batch" else G.instance(shape)
+            family = plans.Planes(x, grouping, True, True)
+            assert family.forward_entry.__name__ == entry
+            if op == "batch":
+                y = NF.batch_norm(x, mean, var, w, b, training=False)
+            else:
+                y = NF.instance_norm(x, mean, var, w, b, use_input_stats=False)
+            v = (1, c, 1, 1)
+            d, s = x.double() - mean.double().view(v), w.double().view(v) / torch.sqrt(
+                var.double().view(v) + 1e-5)
+            exact = d * s + b.double().view(v)
+            size = d.abs() * s.abs() + b.double().view(v).abs()
+            units = (y.double() - exact).abs() / (size * torch.finfo(torch.float32).eps)
+            assert units.max() <= 2.5, (offset, units.max().item())
+    finally:
+        torch.set_num_threads(previous)

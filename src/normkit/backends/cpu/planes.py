@@ -61,6 +61,15 @@ def _plane_ahead(a, n, c, ahead, first, last):
     return a[f // a.shape[1], f % a.shape[1]]
 
 
+@register_jitable
+def _shift(x, n, c, fixed, sdt):
+    """x0 of the output formula ``((x - x0) - (mean - x0)) * scale + shift`` of the unit
+    or channel whose first plane is x[n, c]: its first element, the shift its moments were
+    taken from; 0 with given statistics (``(x - mean) * scale + shift``, which rounds once
+    where the shift rounds ``x - x0`` and ``mean - x0`` too)."""
+    return like(sdt, 0.0) if fixed else load(x[n, c], 0)
+
+
 @register_jitable(inline="always")   # inlined: see cpu.rows.JIT
 def _plane_sums(gb, xb, mu, rs, sdt):
     """(sum(g), sum(g * xhat)) over one plane, xhat = (x - mu) * rs."""
@@ -161,9 +170,9 @@ def planes_forward(x, y, w, b, eps, groups, fixed, stats, out, lo, hi):
     inv_s = like(mean, 1.0 / s_)
     for u in range(lo, hi):
         n, c0 = u // groups, (u % groups) * cg
-        x0 = load(x[n, c0], 0)                                     # shift of the unit
+        x0 = _shift(x, n, c0, fixed, mean)                         # shift of the unit
         if fixed:
-            mean_x0, rs = like(mean, mean[u] - x0), rstd[u]
+            mean_x0, rs = mean[u], rstd[u]
         else:
             count, mean64, m2 = 0.0, 0.0, 0.0                      # float64 merge
             for c in range(c0, c0 + cg):
@@ -214,8 +223,7 @@ def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, act, lo, hi):
     for c0 in range(lo, hi, block):
         c1 = min(hi, c0 + block)
         if fixed:
-            for c in range(c0, c1):
-                mean_x0[c - c0] = mean[c] - load(x[0, c], 0)
+            mean_x0[:c1 - c0] = mean[c0:c1]
         else:
             mean64[:] = 0.0
             m2[:] = 0.0
@@ -233,13 +241,14 @@ def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, act, lo, hi):
             for n in range(n_):                   # loop: see channels_fixed)
                 for c in range(c0, c1):                            # block from L2/L3
                     store_affine_scalar(y[n, c], (x[n, c],),
-                                        (load(x[0, c], 0), mean_x0[c - c0], rstd[c] * w[c],
-                                         b[c]), (x[0, 0, :0], x[0, 0, :0]), stream)
+                                        (_shift(x, 0, c, fixed, mean), mean_x0[c - c0],
+                                         rstd[c] * w[c], b[c]), (x[0, 0, :0], x[0, 0, :0]),
+                                        stream)
         else:
             for n in range(n_):
                 for c in range(c0, c1):
                     store_affine_scalar_act(y[n, c], (x[n, c],),
-                                            (load(x[0, c], 0), mean_x0[c - c0],
+                                            (_shift(x, 0, c, fixed, mean), mean_x0[c - c0],
                                              rstd[c] * w[c], b[c]),
                                             (x[0, 0, :0], x[0, 0, :0]), stream, act, ())
     if stream:
@@ -250,8 +259,8 @@ def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, act, lo, hi):
 def channels_fixed(x, y, w, b, stats, small, out, act, lo, hi):
     """BatchNorm with given statistics (eval) on several threads: the (n, c) planes
     [lo, hi) of x: (N, C, S), counted n * C + c, in memory order, each
-    ``y = ((x - x0) - (mean - x0)) * (rstd * w) + b`` with its channel's statistics and
-    x0 = x[0, c, 0] -- the arithmetic of ``channels_forward`` and ``channels_small`` with
+    ``y = (x - mean) * (rstd * w) + b`` with its channel's statistics (x0 = 0,
+    ``_shift``) -- the arithmetic of ``channels_forward`` and ``channels_small`` with
     fixed statistics. Split like an elementwise op, a thread's range is contiguous
     memory: the planes its neighbours in a model (a convolution before, an activation
     after) leave in, or take from, the same core's cache (on one thread the channel loops
@@ -269,8 +278,8 @@ def channels_fixed(x, y, w, b, stats, small, out, act, lo, hi):
                 c += 1
                 if c == c_:
                     n, c = n + 1, 0
-            x0 = load(x[0, c], 0)
-            mean_x0, scale, shift = like(mean, mean[c] - x0), rstd[c] * w[c], b[c]
+            x0 = like(mean, 0.0)                                   # (_shift)
+            mean_x0, scale, shift = mean[c], rstd[c] * w[c], b[c]
             if small:
                 xr, yr = x[n, c], y[n, c]
                 for i in range(s_):
@@ -287,8 +296,8 @@ def channels_fixed(x, y, w, b, stats, small, out, act, lo, hi):
             c += 1
             if c == c_:
                 n, c = n + 1, 0
-        x0 = load(x[0, c], 0)
-        mean_x0, scale, shift = like(mean, mean[c] - x0), rstd[c] * w[c], b[c]
+        x0 = like(mean, 0.0)
+        mean_x0, scale, shift = mean[c], rstd[c] * w[c], b[c]
         if small:
             _small_store(y[n, c], x[n, c], (x0, mean_x0, scale, shift), act)
         else:
@@ -346,9 +355,9 @@ def channels_small(x, y, w, b, eps, fixed, stats, act, lo, hi):
     n_, c_, s_ = x.shape
     count = n_ * s_
     for c in range(lo, hi):
-        x0 = load(x[0, c], 0)                                      # the channel's shift
+        x0 = _shift(x, 0, c, fixed, mean)                          # the channel's shift
         if fixed:
-            mean_x0, rs = like(mean, mean[c] - x0), rstd[c]
+            mean_x0, rs = mean[c], rstd[c]
         else:
             total = 0.0
             for n in range(n_):
@@ -446,9 +455,9 @@ def planes_small(x, y, w, b, eps, groups, fixed, stats, lo, hi):
     rows = x.reshape(n_ * groups, count)                           # a unit per row
     for u in range(lo, hi):
         n, c0 = u // groups, (u % groups) * cg
-        x0 = load(x[n, c0], 0)                                     # shift of the unit
+        x0 = _shift(x, n, c0, fixed, mean)                         # shift of the unit
         if fixed:
-            mean_x0, rs = like(mean, mean[u] - x0), rstd[u]
+            mean_x0, rs = mean[u], rstd[u]
         else:
             mean_x0, m2 = two_pass(rows[u], x0, like(mean, 1.0 / count), mean, True)
             v = np.float64(m2) / count
