@@ -204,3 +204,35 @@ def test_given_statistics_round_as_x_minus_mean(op, shape, threads, entry):
             assert units.max() <= 2.5, (offset, units.max().item())
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("shape,threads", [((16, 8, 4, 4), 1), ((64, 32, 8, 8), 2)],
+                         ids=str)
+def test_batch_statistics_keep_the_mean_whole_in_the_output(shape, threads):
+    """Training BatchNorm on NCHW writes ``((x - mean_hi) - mean_lo) * scale + shift``
+    (``moments.split_mean``): with each channel's first element an outlier (300 among
+    N(0, 1) values) the output of the small-plane kernel, whose moments are float64, is
+    within 2 rounding units of the float64 result, as torch's is. (Shifted by that first
+    element, as the moments are, it was 12 units off. The larger planes' moments
+    accumulate ``x - x0`` in float32 and still lose 5-12 units here: docs/architecture.md,
+    "Autograd and precision".)"""
+    from normkit.backends.cpu import plans
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        c = shape[1]
+        x = torch.randn(shape, generator=gen)
+        x[0, :, 0, 0] = 300.0                                      # each x[0, c, 0]
+        assert plans.Planes(x, G.batch(shape), True, False).forward_entry.__name__ == (
+            "channels_small")
+        w, b = torch.randn(c, generator=gen), torch.randn(c, generator=gen)
+        exact = torch.nn.functional.batch_norm(x.double(), None, None, w.double(), b.double(),
+                                               training=True)
+        scale = torch.finfo(torch.float32).eps * exact.abs().clamp_min(1.0)
+        for fn in (NF.batch_norm, torch.nn.functional.batch_norm):
+            y = fn(x, None, None, w, b, training=True)
+            assert ((y.double() - exact).abs() / scale).max() <= 2.0, fn
+    finally:
+        torch.set_num_threads(previous)

@@ -74,14 +74,14 @@ def silu_grad(g, z, one):
     return g * (s * (one + z * (one - s)))
 
 
-def affine_scalar_clamp(x, x0, mean_x0, scale, shift, zero, slope, top, leaky):
+def affine_scalar_clamp(x, mean_hi, mean_lo, scale, shift, zero, slope, top, leaky):
     """``clamp(affine_scalar(..))``: the NCHW planes forward with relu, relu6, leaky_relu."""
-    return clamp(((x - x0) - mean_x0) * scale + shift, zero, slope, top, leaky)
+    return clamp(((x - mean_hi) - mean_lo) * scale + shift, zero, slope, top, leaky)
 
 
-def affine_scalar_silu(x, x0, mean_x0, scale, shift, one):
+def affine_scalar_silu(x, mean_hi, mean_lo, scale, shift, one):
     """``silu(affine_scalar(..))``."""
-    return silu(((x - x0) - mean_x0) * scale + shift, one)
+    return silu(((x - mean_hi) - mean_lo) * scale + shift, one)
 
 
 def affine_per_channel_clamp(x, mean, scale, shift, zero, slope, top, leaky):

@@ -51,6 +51,23 @@ def two_pass(xs, x0, inv_n, sdt, center):
     return mean_x0, q
 
 
+@register_jitable(inline="always")
+def split_mean(x0, mean_x0, sdt):
+    """``(hi, lo)``: the mean ``x0 + mean_x0`` (a shift and the mean of ``x - x0``) as hi,
+    the mean rounded to the dtype of the array sdt (the mean stored), and lo, the rest
+    (exact in float64 by TwoSum, then rounded). The output formulas compute
+    ``((x - hi) - lo) * scale + shift``: ``x - hi`` is exact for data far from zero with a
+    small spread, and lo keeps the mean's digits that hi rounded off. (``(x - x0) -
+    (mean - x0)`` with x0 the first element, as the moments take it, rounded at the size
+    of ``x0 - mean``, a random distance: about twice torch's error on centred data.)"""
+    a, b = np.float64(x0), np.float64(mean_x0)
+    s = a + b
+    bb = s - a
+    err = (a - (s - bb)) + (b - bb)                               # s + err == a + b
+    hi = like(sdt, s)
+    return hi, like(sdt, (s - np.float64(hi)) + err)
+
+
 @register_jitable(inline="always")   # inlined: see cpu.rows.JIT
 def _plane_shifted(xb, x0, mean_x0, inv_s, sdt):
     """(mean - x0, M2) of the plane xb: (S,) in one pass of the sums of d = x - k and

@@ -38,7 +38,7 @@ from numba import njit
 from numba.extending import register_jitable
 
 from normkit.backends.cpu.half import accumulate, like, load, store
-from normkit.backends.cpu.moments import plane_merge, two_pass
+from normkit.backends.cpu.moments import plane_merge, split_mean, two_pass
 from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.act_stores import (ACT_NONE, ACT_SILU, clamp, clamp_grad, silu,
                                              silu_grad, store_affine_scalar_act,
@@ -59,15 +59,6 @@ def _plane_ahead(a, n, c, ahead, first, last):
     if f < first or f > last:
         return a[0, 0, :0]
     return a[f // a.shape[1], f % a.shape[1]]
-
-
-@register_jitable
-def _shift(x, n, c, fixed, sdt):
-    """x0 of the output formula ``((x - x0) - (mean - x0)) * scale + shift`` of the unit
-    or channel whose first plane is x[n, c]: its first element, the shift its moments were
-    taken from; 0 with given statistics (``(x - mean) * scale + shift``, which rounds once
-    where the shift rounds ``x - x0`` and ``mean - x0`` too)."""
-    return like(sdt, 0.0) if fixed else load(x[n, c], 0)
 
 
 @register_jitable(inline="always")   # inlined: see cpu.rows.JIT
@@ -118,21 +109,21 @@ def _act_plane_sums(gb, xb, mu, rs, wb, act, sdt):
 
 @register_jitable(inline="always")
 def _small_store(yr, xr, coefs, act):
-    """``y = act(((x - x0) - (mean - x0)) * scale + shift)`` over one small plane in a
+    """``y = act(((x - mean_hi) - mean_lo) * scale + shift)`` over one small plane in a
     plain loop, one loop per formula chosen outside it (a branch on the activation inside
     keeps LLVM from vectorizing the loop: (16, 256, 14, 14) eval with relu ran 6x slower
     than without). An activation only: the callers run the loop without one themselves
     (``channels_fixed``)."""
-    x0, mean_x0, scale, shift = coefs
+    mh, ml, scale, shift = coefs
     code, cl, si = act
     if code == ACT_SILU:
         for i in range(xr.shape[0]):
-            store(yr, i, silu(((load(xr, i) - x0) - mean_x0) * scale + shift, si[0]))
+            store(yr, i, silu(((load(xr, i) - mh) - ml) * scale + shift, si[0]))
     else:
         zero, slope, top, leaky = cl[0], cl[1], cl[2], cl[3]
         for i in range(xr.shape[0]):
-            store(yr, i, clamp(((load(xr, i) - x0) - mean_x0) * scale + shift, zero, slope,
-                               top, leaky))
+            store(yr, i, clamp(((load(xr, i) - mh) - ml) * scale + shift, zero, slope, top,
+                               leaky))
 
 
 @register_jitable(inline="always")   # inlined: see cpu.rows.JIT
@@ -170,20 +161,20 @@ def planes_forward(x, y, w, b, eps, groups, fixed, stats, out, lo, hi):
     inv_s = like(mean, 1.0 / s_)
     for u in range(lo, hi):
         n, c0 = u // groups, (u % groups) * cg
-        x0 = _shift(x, n, c0, fixed, mean)                         # shift of the unit
         if fixed:
-            mean_x0, rs = mean[u], rstd[u]
+            mh, ml, rs = mean[u], like(mean, 0.0), rstd[u]
         else:
+            x0 = load(x[n, c0], 0)                                 # shift of the unit
             count, mean64, m2 = 0.0, 0.0, 0.0                      # float64 merge
             for c in range(c0, c0 + cg):
                 count, mean64, m2 = plane_merge(x[n, c], x0, inv_s, mean, count, mean64, m2)
             v = m2 / count
-            mean_x0 = like(mean, mean64)
+            mh, ml = split_mean(x0, mean64, mean)
             rs = like(mean, 1.0 / math.sqrt(v + eps))
-            mean[u], rstd[u], var[u] = x0 + mean64, rs, v
+            mean[u], rstd[u], var[u] = mh, rs, v
         for c in range(c0, c0 + cg):                               # unit still in L2
             ahead_plane = _plane_ahead(x, n, c, ahead, n * c_ + c0 + cg, hi * cg - 1)
-            store_affine_scalar(y[n, c], (x[n, c],), (x0, mean_x0, rs * w[c], b[c]),
+            store_affine_scalar(y[n, c], (x[n, c],), (mh, ml, rs * w[c], b[c]),
                                 (ahead_plane, x[0, 0, :0]), stream)
     if stream:
         fence()
@@ -219,11 +210,13 @@ def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, act, lo, hi):
     inv_s = like(mean, 1.0 / s_)
     mean64 = np.empty(block)                                       # channel mean - x0
     m2 = np.empty(block)                                           # channel M2
-    mean_x0 = np.empty(block, dtype=mean.dtype)                    # channel mean - x0
+    mh = np.empty(block, dtype=mean.dtype)                         # channel mean: hi
+    ml = np.empty(block, dtype=mean.dtype)                         # and lo (split_mean)
     for c0 in range(lo, hi, block):
         c1 = min(hi, c0 + block)
         if fixed:
-            mean_x0[:c1 - c0] = mean[c0:c1]
+            mh[:c1 - c0] = mean[c0:c1]
+            ml[:] = 0.0
         else:
             mean64[:] = 0.0
             m2[:] = 0.0
@@ -234,22 +227,21 @@ def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, act, lo, hi):
                         m2[c - c0])
             for c in range(c0, c1):
                 v = m2[c - c0] / (n_ * s_)
-                mean_x0[c - c0] = mean64[c - c0]
+                mh[c - c0], ml[c - c0] = split_mean(load(x[0, c], 0), mean64[c - c0], mean)
                 rstd[c] = 1.0 / math.sqrt(v + eps)
-                mean[c], var[c] = load(x[0, c], 0) + mean64[c - c0], v
+                mean[c], var[c] = mh[c - c0], v
         if act[0] == ACT_NONE:                    # (without the activation's stores in the
             for n in range(n_):                   # loop: see channels_fixed)
                 for c in range(c0, c1):                            # block from L2/L3
                     store_affine_scalar(y[n, c], (x[n, c],),
-                                        (_shift(x, 0, c, fixed, mean), mean_x0[c - c0],
-                                         rstd[c] * w[c], b[c]), (x[0, 0, :0], x[0, 0, :0]),
-                                        stream)
+                                        (mh[c - c0], ml[c - c0], rstd[c] * w[c], b[c]),
+                                        (x[0, 0, :0], x[0, 0, :0]), stream)
         else:
             for n in range(n_):
                 for c in range(c0, c1):
                     store_affine_scalar_act(y[n, c], (x[n, c],),
-                                            (_shift(x, 0, c, fixed, mean), mean_x0[c - c0],
-                                             rstd[c] * w[c], b[c]),
+                                            (mh[c - c0], ml[c - c0], rstd[c] * w[c],
+                                             b[c]),
                                             (x[0, 0, :0], x[0, 0, :0]), stream, act, ())
     if stream:
         fence()
@@ -259,9 +251,8 @@ def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, act, lo, hi):
 def channels_fixed(x, y, w, b, stats, small, out, act, lo, hi):
     """BatchNorm with given statistics (eval) on several threads: the (n, c) planes
     [lo, hi) of x: (N, C, S), counted n * C + c, in memory order, each
-    ``y = (x - mean) * (rstd * w) + b`` with its channel's statistics (x0 = 0,
-    ``_shift``) -- the arithmetic of ``channels_forward`` and ``channels_small`` with
-    fixed statistics. Split like an elementwise op, a thread's range is contiguous
+    ``y = ((x - mean) - 0) * (rstd * w) + b`` with its channel's statistics -- the
+    arithmetic of ``channels_forward`` and ``channels_small`` with fixed statistics. Split like an elementwise op, a thread's range is contiguous
     memory: the planes its neighbours in a model (a convolution before, an activation
     after) leave in, or take from, the same core's cache (on one thread the channel loops
     cost less). ``small`` planes (``tuning.SMALL_PLANE``) in a plain loop, as
@@ -278,14 +269,14 @@ def channels_fixed(x, y, w, b, stats, small, out, act, lo, hi):
                 c += 1
                 if c == c_:
                     n, c = n + 1, 0
-            x0 = like(mean, 0.0)                                   # (_shift)
-            mean_x0, scale, shift = mean[c], rstd[c] * w[c], b[c]
+            mh, ml = mean[c], like(mean, 0.0)
+            scale, shift = rstd[c] * w[c], b[c]
             if small:
                 xr, yr = x[n, c], y[n, c]
                 for i in range(s_):
-                    store(yr, i, ((load(xr, i) - x0) - mean_x0) * scale + shift)
+                    store(yr, i, ((load(xr, i) - mh) - ml) * scale + shift)
             else:
-                store_affine_scalar(y[n, c], (x[n, c],), (x0, mean_x0, scale, shift),
+                store_affine_scalar(y[n, c], (x[n, c],), (mh, ml, scale, shift),
                                     (_plane_ahead(x, n, c, ahead, lo, hi - 1), x[0, 0, :0]),
                                     stream)
         if stream:
@@ -296,12 +287,12 @@ def channels_fixed(x, y, w, b, stats, small, out, act, lo, hi):
             c += 1
             if c == c_:
                 n, c = n + 1, 0
-        x0 = like(mean, 0.0)
-        mean_x0, scale, shift = mean[c], rstd[c] * w[c], b[c]
+        mh, ml = mean[c], like(mean, 0.0)
+        scale, shift = rstd[c] * w[c], b[c]
         if small:
-            _small_store(y[n, c], x[n, c], (x0, mean_x0, scale, shift), act)
+            _small_store(y[n, c], x[n, c], (mh, ml, scale, shift), act)
         else:
-            store_affine_scalar_act(y[n, c], (x[n, c],), (x0, mean_x0, scale, shift),
+            store_affine_scalar_act(y[n, c], (x[n, c],), (mh, ml, scale, shift),
                                     (_plane_ahead(x, n, c, ahead, lo, hi - 1), x[0, 0, :0]),
                                     stream, act, ())
     if stream:
@@ -347,7 +338,7 @@ def channels_backward(g, x, w, b, stats, block, center, fixed, dx, sums, stream,
 def channels_small(x, y, w, b, eps, fixed, stats, act, lo, hi):
     """BatchNorm forward on small planes (``tuning.SMALL_PLANE``): the channels [lo, hi) of
     x: (N, C, S), each by a two-pass over its N planes in float64 (or the given
-    statistics), then ``y = ((x - x0) - (mean - x0)) * (rstd * w) + b`` -- the formula of
+    statistics), then ``y = ((x - mean_hi) - mean_lo) * (rstd * w) + b`` -- the formula of
     ``channels_forward`` -- in one plain loop: none of the per-plane machinery (moment
     merges, prefetch, streamed stores), whose fixed cost dominates planes of a few dozen
     elements; ``act``: followed by that activation. stats per channel, (C,)."""
@@ -355,10 +346,10 @@ def channels_small(x, y, w, b, eps, fixed, stats, act, lo, hi):
     n_, c_, s_ = x.shape
     count = n_ * s_
     for c in range(lo, hi):
-        x0 = _shift(x, 0, c, fixed, mean)                          # the channel's shift
         if fixed:
-            mean_x0, rs = mean[c], rstd[c]
+            mh, ml, rs = mean[c], like(mean, 0.0), rstd[c]
         else:
+            x0 = load(x[0, c], 0)                                  # the channel's shift
             total = 0.0
             for n in range(n_):
                 xr = x[n, c]
@@ -372,17 +363,18 @@ def channels_small(x, y, w, b, eps, fixed, stats, act, lo, hi):
                     d = np.float64(load(xr, i) - x0) - mean64
                     m2 = accumulate(m2, d * d)
             v = m2 / count
-            mean_x0, rs = like(mean, mean64), like(mean, 1.0 / math.sqrt(v + eps))
-            mean[c], rstd[c], var[c] = x0 + mean64, rs, v
+            mh, ml = split_mean(x0, mean64, mean)
+            rs = like(mean, 1.0 / math.sqrt(v + eps))
+            mean[c], rstd[c], var[c] = mh, rs, v
         scale, shift = rs * w[c], b[c]
         if act[0] == ACT_NONE:       # (the loop of no activation as it was: measured faster)
             for n in range(n_):
                 xr, yr = x[n, c], y[n, c]
                 for i in range(s_):
-                    store(yr, i, ((load(xr, i) - x0) - mean_x0) * scale + shift)
+                    store(yr, i, ((load(xr, i) - mh) - ml) * scale + shift)
         else:
             for n in range(n_):
-                _small_store(y[n, c], x[n, c], (x0, mean_x0, scale, shift), act)
+                _small_store(y[n, c], x[n, c], (mh, ml, scale, shift), act)
 
 
 @njit(**JIT)
@@ -455,19 +447,20 @@ def planes_small(x, y, w, b, eps, groups, fixed, stats, lo, hi):
     rows = x.reshape(n_ * groups, count)                           # a unit per row
     for u in range(lo, hi):
         n, c0 = u // groups, (u % groups) * cg
-        x0 = _shift(x, n, c0, fixed, mean)                         # shift of the unit
         if fixed:
-            mean_x0, rs = mean[u], rstd[u]
+            mh, ml, rs = mean[u], like(mean, 0.0), rstd[u]
         else:
+            x0 = load(x[n, c0], 0)                                 # shift of the unit
             mean_x0, m2 = two_pass(rows[u], x0, like(mean, 1.0 / count), mean, True)
             v = np.float64(m2) / count
             rs = like(mean, 1.0 / math.sqrt(v + eps))
-            mean[u], rstd[u], var[u] = x0 + np.float64(mean_x0), rs, v
+            mh, ml = split_mean(x0, mean_x0, mean)
+            mean[u], rstd[u], var[u] = mh, rs, v
         for c in range(c0, c0 + cg):
             scale, shift = rs * w[c], b[c]
             xr, yr = x[n, c], y[n, c]
             for i in range(s_):
-                store(yr, i, ((load(xr, i) - x0) - mean_x0) * scale + shift)
+                store(yr, i, ((load(xr, i) - mh) - ml) * scale + shift)
 
 
 @njit(**JIT)

@@ -35,7 +35,7 @@ import math
 from numba import njit
 
 from normkit.backends.cpu.half import accumulate, like, load
-from normkit.backends.cpu.moments import two_pass
+from normkit.backends.cpu.moments import split_mean, two_pass
 from normkit.backends.cpu.stores import (fence, store_add, store_affine_per_element,
                                          store_dx_rows_planes)
 
@@ -72,10 +72,11 @@ def rows_forward(x, y, w, b, eps, center, stats, out, lo, hi, add):
         mean_x0, q = two_pass(xr, x0, inv_k, mean, center)         # mean - x0, M2
         v = q * inv_k
         rs = like(mean, 1.0 / math.sqrt(v + eps))
-        mean[r] = x0 + mean_x0
+        mh, ml = split_mean(x0, mean_x0, mean)                     # the mean, hi + lo
+        mean[r] = mh
         rstd[r] = rs
         var[r] = v
-        store_affine_per_element(y[r], (xr, w, b), (x0, mean_x0, rs), (ahead_row, xr[:0]),
+        store_affine_per_element(y[r], (xr, w, b), (mh, ml, rs), (ahead_row, xr[:0]),
                                  stream)
     if stream:
         fence()

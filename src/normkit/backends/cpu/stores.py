@@ -56,16 +56,17 @@ def add(x, r):
     return x + r
 
 
-def affine_per_element(x, w, b, x0, mean_x0, rstd):
-    """Rows forward: ``y = ((x - x0) - (mean - x0)) * (rstd * w) + b`` (x0 the row's
-    shift, w and b per element)."""
-    return ((x - x0) - mean_x0) * (rstd * w) + b
+def affine_per_element(x, w, b, mean_hi, mean_lo, rstd):
+    """Rows forward: ``y = ((x - mean_hi) - mean_lo) * (rstd * w) + b``, the row's mean
+    as ``moments.split_mean`` gives it, w and b per element."""
+    return ((x - mean_hi) - mean_lo) * (rstd * w) + b
 
 
-def affine_scalar(x, x0, mean_x0, scale, shift):
-    """NCHW planes forward: ``y = ((x - x0) - (mean - x0)) * scale + shift`` with
-    ``scale = rstd * w[c]`` and ``shift = b[c]`` of the plane's channel."""
-    return ((x - x0) - mean_x0) * scale + shift
+def affine_scalar(x, mean_hi, mean_lo, scale, shift):
+    """NCHW planes forward: ``y = ((x - mean_hi) - mean_lo) * scale + shift`` with
+    ``scale = rstd * w[c]`` and ``shift = b[c]`` of the plane's channel (the mean as
+    ``moments.split_mean`` gives it; given statistics: ``(mean, 0)``)."""
+    return ((x - mean_hi) - mean_lo) * scale + shift
 
 
 def affine_per_channel(x, mean, scale, shift):
