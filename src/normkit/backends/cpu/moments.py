@@ -34,33 +34,44 @@ __all__ = ["cl_range_grad_sums", "cl_range_moments", "fold_lanes", "grad_lanes",
 # ---- rows and NCHW planes ------------------------------------------------------------
 
 @register_jitable(inline="always")   # inlined: see cpu.rows.JIT
-def two_pass(xs, x0, inv_n, sdt, center):
-    """(mean - x0, M2) of a row or plane xs: (n,) by two-pass, in the dtype of the array
-    sdt (xs stays in L1 for the second pass); x0 is a shift near the data (its first
-    element), inv_n = 1 / n. Without ``center`` (RMSNorm; x0 = 0): (0, sum(x^2))."""
-    mean_x0 = like(sdt, 0.0)
-    if center:
-        s = like(sdt, 0.0)
+def two_pass(xs, inv_n, sdt, center):
+    """``(estimate, correction, M2)`` of a row or plane xs: (n,) in the dtype of the array
+    sdt, inv_n = 1 / n: the first pass's mean (the estimate), then the deviations from it
+    (xs still in L1), whose mean corrects it: the mean is ``estimate + correction`` and
+    ``M2 = sum(d^2) - sum(d)^2 / n`` (the corrected two-pass; ``split_mean`` keeps the
+    sum whole). The deviations are exact for data far from zero with a small spread, and
+    no element is trusted to lie near the others (an outlier as the shift rounded every
+    ``x - x0`` at its size). Without ``center`` (RMSNorm): (0, 0, sum(x^2))."""
+    zero = like(sdt, 0.0)
+    if not center:
+        q = zero
         for i in range(xs.shape[0]):
-            s = accumulate(s, load(xs, i) - x0)
-        mean_x0 = s * inv_n
-    q = like(sdt, 0.0)
+            v = load(xs, i)
+            q = accumulate(q, v * v)
+        return zero, zero, q
+    s = zero
+    for i in range(xs.shape[0]):
+        s = accumulate(s, load(xs, i))
+    estimate = s * inv_n
+    sd, q = zero, zero
     for i in range(xs.shape[0]):                                   # from L1
-        d = (load(xs, i) - x0) - mean_x0
+        d = load(xs, i) - estimate
+        sd = accumulate(sd, d)
         q = accumulate(q, d * d)
-    return mean_x0, q
+    correction = sd * inv_n
+    return estimate, correction, q - sd * correction
 
 
 @register_jitable(inline="always")
-def split_mean(x0, mean_x0, sdt):
-    """``(hi, lo)``: the mean ``x0 + mean_x0`` (a shift and the mean of ``x - x0``) as hi,
-    the mean rounded to the dtype of the array sdt (the mean stored), and lo, the rest
-    (exact in float64 by TwoSum, then rounded). The output formulas compute
-    ``((x - hi) - lo) * scale + shift``: ``x - hi`` is exact for data far from zero with a
-    small spread, and lo keeps the mean's digits that hi rounded off. (``(x - x0) -
-    (mean - x0)`` with x0 the first element, as the moments take it, rounded at the size
-    of ``x0 - mean``, a random distance: about twice torch's error on centred data.)"""
-    a, b = np.float64(x0), np.float64(mean_x0)
+def split_mean(base, rest, sdt):
+    """``(hi, lo)``: the mean ``base + rest`` (an estimate and its correction, or a shift
+    and the mean relative to it) as hi, the mean rounded to the dtype of the array sdt
+    (the mean stored), and lo, the rest (exact in float64 by TwoSum, then rounded). The
+    output formulas compute ``((x - hi) - lo) * scale + shift``: ``x - hi`` is exact for
+    data far from zero with a small spread, and lo keeps the digits hi rounded off.
+    (``(x - x0) - (mean - x0)``, x0 the first element, rounded at the size of ``x0 -
+    mean``, a random distance: about twice torch's error on centred data.)"""
+    a, b = np.float64(base), np.float64(rest)
     s = a + b
     bb = s - a
     err = (a - (s - bb)) + (b - bb)                               # s + err == a + b
@@ -88,7 +99,8 @@ def plane_merge(xb, x0, inv_s, sdt, count, mean_x0, m2):
     """(count, mean - x0, M2) merged with the plane xb: (S,) (float64): the first plane
     (count 0) by two-pass, the others in one pass shifted by the running mean."""
     if count == 0.0:
-        block_mean, q = two_pass(xb, x0, inv_s, sdt, True)
+        estimate, correction, q = two_pass(xb, inv_s, sdt, True)
+        block_mean = (np.float64(estimate) - x0) + np.float64(correction)
     else:
         block_mean, q = _plane_shifted(xb, x0, mean_x0, inv_s, sdt)
     return chan_merge(count, mean_x0, m2, np.float64(xb.shape[0]), np.float64(block_mean),

@@ -450,11 +450,10 @@ def planes_small(x, y, w, b, eps, groups, fixed, stats, lo, hi):
         if fixed:
             mh, ml, rs = mean[u], like(mean, 0.0), rstd[u]
         else:
-            x0 = load(x[n, c0], 0)                                 # shift of the unit
-            mean_x0, m2 = two_pass(rows[u], x0, like(mean, 1.0 / count), mean, True)
+            estimate, correction, m2 = two_pass(rows[u], like(mean, 1.0 / count), mean, True)
             v = np.float64(m2) / count
             rs = like(mean, 1.0 / math.sqrt(v + eps))
-            mh, ml = split_mean(x0, mean_x0, mean)
+            mh, ml = split_mean(estimate, correction, mean)
             mean[u], rstd[u], var[u] = mh, rs, v
         for c in range(c0, c0 + cg):
             scale, shift = rs * w[c], b[c]

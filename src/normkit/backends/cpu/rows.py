@@ -1,9 +1,8 @@
 """LayerNorm / RMSNorm on a contiguous (M, K) view: one row per iteration.
 
-Forward: two passes over the row while it sits in L1 (the mean of ``x - x0``, then the
-squared deviations from it; ``x0`` the row's first element, so the shifted values are
-exact for data far from zero with a small spread), a third writes y. Without centering
-(RMSNorm) mean = 0 and var = mean(x^2).
+Forward: two passes over the row while it sits in L1 (its mean, then the deviations from
+it, which correct the mean and give the squared deviations: ``moments.two_pass``), a
+third writes y. Without centering (RMSNorm) mean = 0 and var = mean(x^2).
 
 Backward: the rows split in one chunk per thread, each chunk keeping its own partial
 dweight/dbias (summed by the caller), so no two iterations write the same memory::
@@ -68,11 +67,10 @@ def rows_forward(x, y, w, b, eps, center, stats, out, lo, hi, add):
             ahead_res = res[r + ahead] if ahead and r + ahead < hi else xr[:0]
             store_add(h[r], (xr, res[r]), (), (ahead_row, ahead_res), False)
             xr, ahead_row = h[r], xr[:0]
-        x0 = load(xr, 0) if center else like(mean, 0.0)            # the row's shift
-        mean_x0, q = two_pass(xr, x0, inv_k, mean, center)         # mean - x0, M2
+        estimate, correction, q = two_pass(xr, inv_k, mean, center)
         v = q * inv_k
         rs = like(mean, 1.0 / math.sqrt(v + eps))
-        mh, ml = split_mean(x0, mean_x0, mean)                     # the mean, hi + lo
+        mh, ml = split_mean(estimate, correction, mean)            # the mean, hi + lo
         mean[r] = mh
         rstd[r] = rs
         var[r] = v
