@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     start = time.time()
     # (spawned, not forked: the parent has loaded torch and its OpenMP runtime)
     with ProcessPoolExecutor(max(1, opts.jobs), mp_context=get_context("spawn")) as pool:
-        done = list(pool.map(plans.compile_entry, entries.__all__, [dtypes] * len(entries.__all__)))
+        names = entries.__all__
+        done = list(pool.map(plans.compile_entry, names, [dtypes] * len(names)))
     print(f"normkit CPU kernels: {len(done)} entries for {', '.join(dtypes)} "
           f"({time.time() - start:.0f} s)", flush=True)
     return 0 if ready else 1

@@ -255,8 +255,9 @@ def channels_fixed(x, y, w, b, stats, small, out, act, lo, hi):
     arithmetic of ``channels_forward`` and ``channels_small`` with fixed statistics.
     Split like an elementwise op, a thread's range is contiguous memory: the planes its
     neighbours in a model (a convolution before, an activation after) leave in, or take
-    from, the same core's cache (on one thread the channel loops cost less). ``small`` planes (``tuning.SMALL_PLANE``) in a plain loop, as
-    ``channels_small``; ``act``: followed by that activation. stats per channel, (C,)."""
+    from, the same core's cache (on one thread the channel loops cost less). ``small``
+    planes (``tuning.SMALL_PLANE``) in a plain loop, as ``channels_small``; ``act``:
+    followed by that activation. stats per channel, (C,)."""
     mean, rstd, _ = stats
     stream, ahead = out
     c_, s_ = x.shape[1], x.shape[2]
