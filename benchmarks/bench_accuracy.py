@@ -1,0 +1,109 @@
+"""Forward accuracy of normkit's and torch's fp32 norms against a float64 run of the same
+inputs, on the CPU.
+
+For each op, layout and kind of data it prints the largest and the root-mean-square error
+in fp32 rounding units of the result's size (``|y - exact| / (eps * max(|exact|, 1))``):
+centred data (N(0, 3)), data at an offset of 1000 (N(1000, 1)), and an outlier first
+element per unit (300 among N(0, 1); the element the kernels once shifted by). Training
+mode (batch statistics), and BatchNorm in eval with running statistics at the data's
+offset. docs/architecture.md ("Autograd and precision") quotes it.
+
+    PYTHONPATH=src python benchmarks/bench_accuracy.py [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import normkit.functional as NF
+
+EPS32 = torch.finfo(torch.float32).eps
+C = 32
+
+
+def _units(y, exact):
+    u = (y.double() - exact).abs() / (EPS32 * exact.abs().clamp_min(1.0))
+    return u.max().item(), u.pow(2).mean().sqrt().item()
+
+
+def _data(shape, kind, gen, unit_first):
+    if kind == "centred":
+        x = torch.randn(shape, generator=gen) * 3
+    elif kind == "offset 1000":
+        x = torch.randn(shape, generator=gen) + 1000
+    else:
+        x = torch.randn(shape, generator=gen)
+        unit_first(x)
+    return x
+
+
+def _ops(gen):
+    w, b = torch.randn(C, generator=gen), torch.randn(C, generator=gen)
+    w2, b2 = torch.randn(512, generator=gen), torch.randn(512, generator=gen)
+
+    def first_of_channels(x):
+        x[0, :, 0, 0] = 300.0
+
+    def first_of_groups(x):
+        x[:, ::4, 0, 0] = 300.0
+
+    def first_of_planes(x):
+        x[:, :, 0, 0] = 300.0
+
+    def first_of_rows(x):
+        x[:, 0] = 300.0
+
+    def bn(f, x, p, q):
+        return f.batch_norm(x, None, None, p, q, training=True)
+
+    def bn_eval(f, x, p, q):
+        # running statistics of the data, the same fp32 values for both runs
+        c, d = x.shape[1], x.double()
+        mean = torch.full((c,), float(d.mean()), dtype=torch.float32).to(x.dtype)
+        var = torch.full((c,), float(d.var()), dtype=torch.float32).to(x.dtype)
+        return f.batch_norm(x, mean, var, p, q, training=False)
+
+    def gn(f, x, p, q):
+        return f.group_norm(x, 8, p, q)
+
+    def inorm(f, x, p, q):
+        return f.instance_norm(x, weight=p, bias=q)
+
+    def ln(f, x, p, q):
+        return f.layer_norm(x, (512,), p, q)
+
+    nchw = (16, C, 16, 16)
+    return [("batch_norm", nchw, bn, (w, b), first_of_channels),
+            ("batch_norm eval", nchw, bn_eval, (w, b), first_of_channels),
+            ("group_norm", nchw, gn, (w, b), first_of_groups),
+            ("instance_norm", nchw, inorm, (w, b), first_of_planes),
+            ("layer_norm", (256, 512), ln, (w2, b2), first_of_rows),
+            ("batch_norm (N, C)", (256, C), bn, (w, b), first_of_rows)]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    opts = parser.parse_args(argv)
+    torch.set_num_threads(opts.threads)
+    gen = torch.Generator().manual_seed(0)
+    print(f"{'op':18s} {'layout':14s} {'data':12s} {'normkit max/rms':>16s} "
+          f"{'torch max/rms':>16s}")
+    for name, shape, fn, (w, b), unit_first in _ops(gen):
+        layouts = ("contiguous", "channels_last") if len(shape) == 4 else ("contiguous",)
+        for layout in layouts:
+            for kind in ("centred", "offset 1000", "outlier first"):
+                x = _data(shape, kind, gen, unit_first)
+                if layout == "channels_last":
+                    x = x.to(memory_format=torch.channels_last)
+                exact = fn(F, x.double(), w.double(), b.double())
+                cells = [_units(fn(f, x, w, b), exact) for f in (NF, F)]
+                print(f"{name:18s} {layout:14s} {kind:12s} "
+                      + " ".join(f"{m:8.1f}/{r:7.2f}" for m, r in cells))
+
+
+if __name__ == "__main__":
+    main()
