@@ -81,6 +81,7 @@ def cl_sample_forward(x, y, w, b, eps, c_, groups, blocks, stats, stream, lo, hi
     scratch = lane_scratch(c_, run, mean)
     mu = np.empty(c_, dtype=mean.dtype)
     scale = np.empty(c_, dtype=mean.dtype)
+    shift = np.empty(c_, dtype=mean.dtype)
     fetch = from_memory(x)
     for n in range(lo, hi):
         cl_range_moments(x[n], c_, 0, s_, block, run, cmean, cm2, scratch, fetch)
@@ -90,10 +91,12 @@ def cl_sample_forward(x, y, w, b, eps, c_, groups, blocks, stats, stream, lo, hi
             rs = 1.0 / math.sqrt(v + eps)
             u = n * groups + g
             mean[u], rstd[u], var[u] = gm, rs, v
+            rest = gm - np.float64(mean[u])                        # (_coefs)
             for c in range(g * cg, (g + 1) * cg):
-                mu[c] = gm
+                mu[c] = mean[u]
                 scale[c] = rs * w[c]
-        store_affine_per_channel(y[n], (x[n],), (mu, scale, b), c_, 0, s_, stream)
+                shift[c] = np.float64(b[c]) - rest * np.float64(scale[c])
+        store_affine_per_channel(y[n], (x[n],), (mu, scale, shift), c_, 0, s_, stream)
     if stream:
         fence()
 
@@ -173,8 +176,13 @@ def nc_expand(stat, unit, out):
 
 
 @register_jitable
-def _coefs(stats, sn, uc, w, b, coefs):
-    """coefs = (mean, rstd * w (in float64, then rounded), b) per (n, c)."""
+def _coefs(stats, sn, uc, w, b, rest, coefs):
+    """coefs = (mean, rstd * w (in float64, then rounded), b - rest * scale) per (n, c):
+    ``(x - mean) * scale + shift`` with ``rest`` (U,) float64, what the mean's rounding
+    to the statistics dtype left off (0 for given statistics), folded into the shift, so
+    that data far from zero keep it (an output 250 rounding units off at an offset of
+    1000 without). (Not so for BatchNorm's ``columns``: the backward of its activation
+    recomputes z from the saved mean.)"""
     mean, rstd = stats[0], stats[1]
     mu, scale, shift = coefs
     for n in range(mu.shape[0]):
@@ -182,7 +190,7 @@ def _coefs(stats, sn, uc, w, b, coefs):
             u = n * sn + uc[c]
             mu[n, c] = mean[u]
             scale[n, c] = np.float64(rstd[u]) * np.float64(w[c])
-            shift[n, c] = b[c]
+            shift[n, c] = np.float64(b[c]) - rest[u] * np.float64(scale[n, c])
 
 
 @njit(**JIT)
@@ -212,7 +220,8 @@ def nc_stats(partials, s_, unit, eps, w, b, stats, coefs):
     for u in range(u_):
         v = um2[u] / ucount[u]
         mean[u], var[u], rstd[u] = umean[u], v, 1.0 / math.sqrt(v + eps)
-    _coefs(stats, sn, uc, w, b, coefs)
+        umean[u] -= np.float64(mean[u])                            # the rest (_coefs)
+    _coefs(stats, sn, uc, w, b, umean, coefs)
 
 
 @njit(**JIT)
@@ -220,7 +229,8 @@ def nc_coefs_fixed(stats, unit, w, b, coefs):
     """The forward coefs of ``nc_stats`` for given stats = (mean, rstd) (BatchNorm in
     eval)."""
     sn, cg = unit
-    _coefs(stats, sn, _unit_of(coefs[0].shape[1], cg), w, b, coefs)
+    _coefs(stats, sn, _unit_of(coefs[0].shape[1], cg), w, b, np.zeros(stats[0].shape[0]),
+           coefs)
 
 
 @njit(**JIT)
