@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -164,6 +166,23 @@ def test_compiling_ahead_from_the_command_line(monkeypatch, capsys):
         ahead.main(["--dtypes", "float8"])
 
 
+@contextlib.contextmanager
+def _torch_threads(n):
+    """torch (and so the CPU executor) on ``n`` threads, restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _rounding_units(y, exact):
+    """|y - exact| in float32 rounding units of the result's size (at least 1)."""
+    return (y.double() - exact).abs() / (torch.finfo(torch.float32).eps
+                                         * exact.abs().clamp_min(1.0))
+
+
 @pytest.mark.parametrize("op,shape,threads,entry", [
     ("batch", (8, 32, 32, 32), 2, "channels_fixed"),
     ("batch", (8, 32, 32, 32), 1, "channels_forward"),
@@ -178,9 +197,7 @@ def test_given_statistics_round_as_x_minus_mean(op, shape, threads, entry):
     form is 1000s of units off at an offset of 100.)"""
     from normkit.backends.cpu import plans
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _torch_threads(threads):
         gen = torch.Generator().manual_seed(3)
         c = shape[1]
         for offset in (0.0, 100.0):
@@ -202,8 +219,6 @@ def test_given_statistics_round_as_x_minus_mean(op, shape, threads, entry):
             size = d.abs() * s.abs() + b.double().view(v).abs()
             units = (y.double() - exact).abs() / (size * torch.finfo(torch.float32).eps)
             assert units.max() <= 2.5, (offset, units.max().item())
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("op,shape,threads,entry", [
@@ -222,9 +237,7 @@ def test_batch_statistics_survive_an_outlier_first_element(op, shape, threads, e
     LayerNorm 59-78."""
     from normkit.backends.cpu import plans
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _torch_threads(threads):
         gen = torch.Generator().manual_seed(5)
         x = torch.randn(shape, generator=gen)
         k = shape[-1] if op == "layer" else shape[1]
@@ -247,12 +260,8 @@ def test_batch_statistics_survive_an_outlier_first_element(op, shape, threads, e
         assert family(x, grouping, True, False).forward_entry.__name__ == entry
         F = torch.nn.functional
         exact = norm(F, x.double(), w.double(), b.double())
-        scale = torch.finfo(torch.float32).eps * exact.abs().clamp_min(1.0)
         for f in (NF, F):
-            y = norm(f, x, w, b)
-            assert ((y.double() - exact).abs() / scale).max() <= 3.5, f.__name__
-    finally:
-        torch.set_num_threads(previous)
+            assert _rounding_units(norm(f, x, w, b), exact).max() <= 3.5, f.__name__
 
 
 @pytest.mark.parametrize("op,shape,per_sample", [
@@ -265,9 +274,7 @@ def test_channels_last_per_sample_norms_keep_the_mean_far_from_zero(op, shape, p
     result (about 530 without; torch's are 1,200 to 10 million)."""
     from normkit.backends.cpu import plans
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with _torch_threads(2):
         gen = torch.Generator().manual_seed(7)
         x = (torch.randn(shape, generator=gen) + 1000).to(memory_format=torch.channels_last)
         c = shape[1]
@@ -281,7 +288,4 @@ def test_channels_last_per_sample_norms_keep_the_mean_far_from_zero(op, shape, p
             y, exact = (NF.instance_norm(x, weight=w, bias=b),
                         torch.nn.functional.instance_norm(x.double(), weight=w.double(),
                                                           bias=b.double()))
-        scale = torch.finfo(torch.float32).eps * exact.abs().clamp_min(1.0)
-        assert ((y.double() - exact).abs() / scale).max() <= 5.0
-    finally:
-        torch.set_num_threads(previous)
+        assert _rounding_units(y, exact).max() <= 5.0
