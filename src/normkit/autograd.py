@@ -58,6 +58,7 @@ with the memory-saving backward (an error).
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 from normkit import backends
 from normkit import grouping as G
@@ -66,7 +67,7 @@ from normkit.backends import torch_ops
 from normkit.rms_casting import scale_and_cast, scale_and_cast_backward
 
 __all__ = ["NormFunction", "AddNormFunction", "grouping_args", "activation_args",
-           "as_activation", "plain_eager", "view_as"]
+           "as_activation", "plain_eager", "transformed", "view_as"]
 
 
 def view_as(t, shape):
@@ -98,11 +99,24 @@ def _grouping(kind, view, reduce, param_view):
 
 
 def plain_eager(x) -> bool:
-    """Whether nothing traces or intercepts this call: a plain tensor and no dispatch
-    mode (fake tensors, functionalization, make_fx, torch.compile all fail this)."""
+    """Whether nothing traces, intercepts or transforms this call: a plain tensor, no
+    dispatch mode (fake tensors, functionalization, make_fx, torch.compile all fail this)
+    and no ``torch.func`` transform (``transformed``)."""
     if torch.compiler.is_compiling():  # first: dynamo cannot trace the checks below
         return False
-    return type(x) is torch.Tensor and not torch._C._len_torch_dispatch_stack()
+    return (type(x) is torch.Tensor and not torch._C._len_torch_dispatch_stack()
+            and not transformed())
+
+
+def transformed() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ``jacrev``, ...) or
+    forward-mode AD (``torch.autograd.forward_ad.dual_level``) is active. A transform's
+    wrapped tensors have no storage a kernel could read, and neither the C++ executor's
+    autograd node nor these Functions have a vmap rule or a jvp (a kernel's output would
+    drop a dual tensor's tangent), so such calls take the composite torch ops, which every
+    transform and forward AD support, as torch's own norms do."""
+    return (torch._C._functorch.maybe_current_level() is not None
+            or forward_ad._current_level >= 0)
 
 
 def _to_param(grad, shape, dtype, grouping):

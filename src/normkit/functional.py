@@ -88,8 +88,25 @@ def update_running(running_mean, running_var, mean, var, momentum, unbias=1.0):
     backend (``normkit.backends.update_running``), traced as torch ops."""
     if ops.plain_eager(running_mean):
         backends.update_running(running_mean, running_var, mean, var, momentum, unbias)
-    else:
-        torch_ops.update_running(running_mean, running_var, mean, var, momentum, unbias)
+        return
+    if not ops.tracing() and _vmapped(mean) and not _vmapped(running_mean):
+        raise RuntimeError(
+            "a normalization in training under torch.func.vmap got a batched input, but its "
+            "running_mean and running_var, which it updates in place, are not batched: call "
+            "it in eval mode, build it with track_running_stats=False, set its running_mean "
+            "and running_var to None (torch.func.replace_all_batch_norm_modules_ does so for "
+            "torch.nn's layers only), or pass batched buffers (torch.func.stack_module_state)")
+    torch_ops.update_running(running_mean, running_var, mean, var, momentum, unbias)
+
+
+def _vmapped(t) -> bool:
+    """Whether ``t`` is batched by ``torch.func.vmap`` at any of its transforms' levels."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,

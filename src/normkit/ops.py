@@ -60,7 +60,7 @@ except ModuleNotFoundError as error:   # (an optional dependency)
 from normkit import backends
 from normkit import grouping as G
 from normkit.autograd import (AddNormFunction, NormFunction, _grouping, activation_args,
-                              as_activation, grouping_args, plain_eager)
+                              as_activation, grouping_args, plain_eager, transformed)
 from normkit.backends import torch_ops
 from normkit.rms_casting import kernel_dtype, normalize_dtype, scale_and_cast
 
@@ -289,12 +289,10 @@ def norm_forward(x, grouping, weight=None, bias=None, eps=1e-5, center=True, mea
 
 
 def _eager(x) -> bool:
-    """Whether a call runs its plan directly (``run``): plain eager mode, a plain tensor,
-    no dispatch mode and no autocast (under autocast the operators' dtypes apply:
-    ``normkit.autocast``)."""
-    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._is_any_autocast_enabled())
+    """Whether a call runs its plan directly (``run``): plain eager mode (``plain_eager``:
+    a plain tensor, no dispatch mode, no ``torch.func`` transform) and no autocast (under
+    autocast the operators' dtypes apply: ``normkit.autocast``)."""
+    return plain_eager(x) and not torch._C._is_any_autocast_enabled()
 
 
 def _rows_of_channels_view(x, grouping):
@@ -336,11 +334,12 @@ def tracing() -> bool:
 
 def decomposing() -> bool:
     """Whether the norms run as plain torch ops (the composite backend) instead of
-    ``norm_forward``: under the ONNX exporter (standard ONNX operators only), and under
-    ``torch.compile`` so that the compiler fuses them with their neighbours; never in
-    eager mode nor under ``torch.export``."""
+    ``norm_forward``: under the ONNX exporter (standard ONNX operators only), under
+    ``torch.compile`` so that the compiler fuses them with their neighbours, and under a
+    ``torch.func`` transform (``normkit.autograd.transformed``); never in plain eager
+    mode nor under ``torch.export``."""
     if not torch.compiler.is_compiling():
-        return False
+        return transformed()
     if torch.onnx.is_in_onnx_export():
         return True
     return _compile_decomposed and not torch.compiler.is_exporting()
@@ -388,7 +387,7 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
     ``mean`` and ``var`` come back None and the caller has nothing left to update). ``y``
     is never a view of ``x``, so callers may modify it in place. ``act``: ``y`` is that
     activation of the norm's output (``normkit.activation``)."""
-    if not torch.compiler.is_compiling():        # eager (the common case, checked first)
+    if not (torch.compiler.is_compiling() or transformed()):  # eager (the common case)
         y, mean, _, var = norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
                                        fixed_rstd, keep_stats, fixed_var, running, act)
         return y, mean, var
@@ -442,7 +441,7 @@ def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_sav
     grouping = G.layer(tuple(x.shape), normalized_ndim)
     if memory_saving is None:
         memory_saving = backends.memory_saving_enabled()
-    if not tracing():
+    if not (tracing() or transformed()):
         xv = x.reshape(grouping.view)                              # M, K
         rows = G.layer(tuple(xv.shape), 1)
         backend = backends.select(xv, rows, center)
@@ -462,7 +461,8 @@ def add_norm(x, residual, normalized_ndim, weight, bias, eps, center, memory_sav
             if y.shape != x.shape:
                 y, h = y.view(x.shape), h.view(x.shape)
             return y, h
-    # traced (compile, export, ONNX), or no one-pass route: the add, then the norm
+    # traced (compile, export, ONNX), transformed, or no one-pass route: the add, then
+    # the norm
     h = x + residual
     if cast is not None:
         return cast_norm(h, grouping, weight, bias, eps, center, *cast,

@@ -64,16 +64,15 @@ def compute_stats(xs, grouping, eps, center):
 def update_running(running_mean, running_var, mean, var, momentum, unbias=1.0):
     """``running = (1 - momentum) * running + momentum * value`` in place for both
     buffers, ``var`` unbiased (``* unbias``) first, in the buffers' dtype, each product
-    rounded before the sum (as the CPU kernel does): three foreach ops (no autograd: the
-    values detached rather than a ``no_grad`` block, which ``torch.export`` cannot keep in
-    a training graph)."""
+    rounded before the sum, ``1 - momentum`` in the buffers' dtype too (as the CPU kernel
+    does); no autograd: the values detached rather than a ``no_grad`` block, which
+    ``torch.export`` cannot keep in a training graph. Per-tensor ops, not ``_foreach_*``,
+    which ``torch.func.vmap`` cannot batch."""
     if unbias != 1.0:
         var = var * unbias
-    buffers = [running_mean, running_var]
-    torch._foreach_mul_(buffers, 1.0 - momentum)
-    values = [mean.detach().reshape(running_mean.shape).to(running_mean.dtype),
-              var.detach().reshape(running_var.shape).to(running_var.dtype)]
-    torch._foreach_add_(buffers, torch._foreach_mul(values, momentum))
+    for buffer, value in ((running_mean, mean), (running_var, var)):
+        value = value.detach().reshape(buffer.shape).to(buffer.dtype)
+        buffer.mul_(torch.tensor(1.0 - momentum, dtype=buffer.dtype)).add_(value * momentum)
 
 
 def group_moments(x, grouping):

@@ -7,10 +7,10 @@ layer keeps, per input (shape, strides, dtype, device, threads, plan epoch), the
 that input gets (``normkit.backends.plan``; on the CPU the C++ executor) and calls it
 through the one call path, ``normkit.ops.run``, with its own parameters and buffers.
 
-The full path (``normkit.functional``) runs instead for anything else: traced calls, a
-tensor subclass or a dispatch mode, a non-contiguous input (but channels_last for
-BatchNorm and GroupNorm), a subclass of the layer (parametrized layers are one), an input
-the layer's checks refuse (it raises there, with its message). Parameters or buffers of
+The full path (``normkit.functional``) runs instead for anything else: traced calls or
+``torch.func`` transforms, a tensor subclass or a dispatch mode, a non-contiguous input
+(but channels_last for BatchNorm and GroupNorm), a subclass of the layer (parametrized
+layers are one), an input the layer's checks refuse (it raises there, with its message). Parameters or buffers of
 another size or device than the plan's (after ``param.data = ...``) are the plan's error,
 which says what it expected. ``normkit.backends.clear_plans`` starts a new plan epoch,
 which drops the kept plans; copies and pickles leave them behind (``__getstate__``).
@@ -19,6 +19,7 @@ which drops the kept plans; copies and pickles leave them behind (``__getstate__
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 from normkit import backends, ops
 
@@ -47,11 +48,15 @@ class KeptPlan:
     def _plain_call(self, x) -> bool:
         """Whether this call may take a kept plan: eager, a plain contiguous tensor (or,
         for a ``_rows_of_channels`` layer, one whose channels are adjacent in memory:
-        channels_last), no dispatch mode and no autocast, an exact normkit class."""
+        channels_last), no dispatch mode, no autocast and no ``torch.func`` transform
+        (``normkit.autograd.transformed``), an exact normkit class."""
         return not (torch.compiler.is_compiling() or type(x) is not torch.Tensor
                     or type(self) not in self._plain_classes
                     or torch._C._len_torch_dispatch_stack()
                     or torch._C._is_any_autocast_enabled()          # (normkit.autocast)
+                    # autograd.transformed() inline (a call frame less per layer call):
+                    or torch._C._functorch.maybe_current_level() is not None
+                    or forward_ad._current_level >= 0
                     or not (x.is_contiguous()
                             or (self._rows_of_channels and x.dim() > 2 and x.stride(1) == 1)))
 
