@@ -59,7 +59,8 @@ def make_data(shape, dtype, seed=0, nan_frac=0.0):
 
 
 # --------------------------------------------------------------------------- estimator checks
-@parametrize_with_checks([StandardScaler(), StandardScaler(with_mean=False, with_std=False),
+@parametrize_with_checks([StandardScaler(), StandardScaler(with_mean=False),
+                          StandardScaler(with_mean=False, with_std=False),
                           MinMaxScaler(), MinMaxScaler(feature_range=(-2, 3), clip=True)])
 def test_sklearn_estimator_checks(estimator, check):
     check(estimator)
@@ -313,10 +314,12 @@ def test_errors_are_clear(backend):
         MinMaxScaler(feature_range=(1, 0)).fit(X)
     with pytest.raises(ValueError, match="two finite numbers"):
         MinMaxScaler(feature_range=(0, 1, 2)).fit(X)
-    with pytest.raises(TypeError, match="dense data is required"):
-        import scipy.sparse as sp
+    import scipy.sparse as sp
 
+    with pytest.raises(ValueError, match="Pass with_mean=False"):
         StandardScaler().fit(sp.csr_matrix(X))
+    with pytest.raises(TypeError, match="dense input only"):
+        MinMaxScaler().fit(sp.csr_matrix(X))
 
 
 def test_non_numeric_input_names_the_columns():

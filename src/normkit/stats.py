@@ -166,6 +166,39 @@ class Moments:
         mean = mean + resid / safe
         return cls(count.astype(np.float64), mean, m2, shift)
 
+    @classmethod
+    def from_groups(cls, values, groups, n_groups: int, shift, weights=None) -> "Moments":
+        """Two-pass moments of the 1-D ``values`` per group, ``groups[i]`` the group of
+        ``values[i]`` (the stored values of a sparse matrix by column, say), relative to
+        ``shift`` (one per group), in float64 accumulators; ``weights`` weights each value.
+        NaN values are ignored. Groups without values get count, mean and m2 0."""
+        shift = np.asarray(shift, dtype=np.float64)
+        values = np.asarray(values)
+        keep = ~np.isnan(values)
+        if not keep.all():
+            groups, values = groups[keep], values[keep]
+            weights = None if weights is None else np.asarray(weights)[keep]
+        d = values - shift[groups]                    # float64 (shift is float64)
+
+        def total(v=None):
+            return np.bincount(groups, v, minlength=n_groups)
+        if weights is None:                           # (no products with ones)
+            count = total().astype(np.float64)
+            safe = np.where(count == 0, 1.0, count)
+            mean = total(d) / safe
+            dev = d - mean[groups]
+            resid, squares = total(dev), total(dev * dev)
+        else:
+            w = np.asarray(weights, np.float64)
+            count = total(w)
+            safe = np.where(count == 0, 1.0, count)
+            mean = total(w * d) / safe
+            dev = d - mean[groups]
+            wdev = w * dev
+            resid, squares = total(wdev), total(wdev * dev)
+        m2 = squares - resid * resid / safe           # corrected two-pass, as from_array
+        return cls(count, mean + resid / safe, m2, shift)
+
     def with_shift(self, shift) -> "Moments":
         """The same moments kept relative to another ``shift`` (``mean`` moves by the
         difference; ``count`` and ``m2`` do not change). Empty groups get mean 0, so that

@@ -41,7 +41,7 @@ except ModuleNotFoundError as error:   # (an optional dependency)
 
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
-from normkit.preprocessing import _kernels, _persist
+from normkit.preprocessing import _kernels, _persist, _sparse
 from normkit.preprocessing._columns import first_finite, is_dask, non_numeric_columns
 from normkit.stats import Moments, Range
 
@@ -51,11 +51,17 @@ _FLOAT_DTYPES = (np.float64, np.float32)
 _EPS = np.finfo(np.float64).eps
 
 
-def _validate(est, X, *, reset, in_place=False):
+def _validate(est, X, *, reset, in_place=False, accept_sparse=False):
     """``validate_data`` with normkit's messages; infinity is checked later, in the kernels."""
+    if not accept_sparse and _sparse.issparse(X):
+        raise TypeError(
+            f"{type(est).__name__} takes dense input only: shifting by each feature's minimum "
+            "would turn every zero of a sparse matrix into a stored value. Scale it with "
+            "StandardScaler(with_mean=False) (or scikit-learn's MaxAbsScaler), or pass "
+            "X.toarray() if it fits in memory.")
     try:
         return validate_data(est, X, reset=reset, dtype=_FLOAT_DTYPES, ensure_all_finite=False,
-                             force_writeable=in_place)
+                             force_writeable=in_place, accept_sparse=accept_sparse)
     except (TypeError, ValueError) as exc:
         text = str(exc)
         if not any(s in text for s in ("could not convert", "argument must be", "Unable to convert")):
@@ -119,8 +125,9 @@ class StandardScaler(_ScalerBase):
         \sigma^2 = \frac{\sum_i w_i (x_i - \mu)^2}{\sum_i w_i}
 
     per feature, with the *biased* variance (as scikit-learn). A drop-in for
-    ``sklearn.preprocessing.StandardScaler`` on dense input: same constructor, defaults,
-    fitted attributes and errors; ``partial_fit`` merges batches exactly (Chan et al.),
+    ``sklearn.preprocessing.StandardScaler``: same constructor, defaults, fitted attributes
+    and errors, on arrays, frames and SciPy sparse matrices (CSR/CSC, ``with_mean=False``:
+    scaled, never centered; CSR out); ``partial_fit`` merges batches exactly (Chan et al.),
     NaN is ignored in fit and kept in transform, and a feature whose standard deviation is
     within rounding of zero gets ``scale_ = 1`` (never a division by ~0).
 
@@ -185,7 +192,9 @@ class StandardScaler(_ScalerBase):
             self._update_moments(moments, sample_weight is not None, "fit")
             return self
         first = not hasattr(self, "n_samples_seen_")
-        X = _validate(self, X, reset=first)
+        X = _validate(self, X, reset=first, accept_sparse=("csr", "csc"))
+        if self.with_mean and _sparse.issparse(X):
+            _sparse.refuse_centering(self, "fit")
         weights = None
         if sample_weight is not None:
             weights = _check_sample_weight(sample_weight, X, dtype=np.float64)
@@ -194,12 +203,14 @@ class StandardScaler(_ScalerBase):
 
     # -- statistics --------------------------------------------------------------------
     def _batch_moments(self, X, weights):
-        """Moments of one validated batch, in the shift of the statistics seen so far."""
-        shift = first_finite(X)
+        """Moments of one validated batch, in the shift of the statistics seen so far (a
+        sparse one's first: 0, its implicit zeros' value)."""
+        sparse = _sparse.issparse(X)
+        shift = np.zeros(X.shape[1]) if sparse else first_finite(X)
         old = getattr(self, "_moments", None)
         if old is not None:
             shift = np.where(old.count > 0, old.shift, shift)
-        return _kernels.column_moments(X, shift, weights)
+        return (_sparse if sparse else _kernels).column_moments(X, shift, weights)
 
     def _update_moments(self, new: Moments, weighted: bool, where: str):
         """Check a batch's moments for infinity, merge them in, and set the attributes."""
@@ -249,7 +260,9 @@ class StandardScaler(_ScalerBase):
 
             return _dask.transform(self, X, inverse=False)
         copy = self.copy if copy is None else copy
-        X = _validate(self, X, reset=False, in_place=not copy)
+        X = _validate(self, X, reset=False, in_place=not copy, accept_sparse="csr")
+        if _sparse.issparse(X):
+            return self._scale_sparse(X, copy, inverse=False)
         return self._apply(X, _out_array(self, X, copy), inverse=False)
 
     def inverse_transform(self, X, copy=None):
@@ -260,8 +273,21 @@ class StandardScaler(_ScalerBase):
 
             return _dask.transform(self, X, inverse=True)
         copy = self.copy if copy is None else copy
-        X = _validate(self, X, reset=False, in_place=not copy)
+        X = _validate(self, X, reset=False, in_place=not copy, accept_sparse="csr")
+        if _sparse.issparse(X):
+            return self._scale_sparse(X, copy, inverse=True)
         return self._apply(X, _out_array(self, X, copy), inverse=True)
+
+    def _scale_sparse(self, X, copy, inverse):
+        """The map on a validated CSR matrix: scaled (in place unless ``copy``), never
+        centered."""
+        where = "inverse_transform" if inverse else "transform"
+        if self.with_mean:
+            _sparse.refuse_centering(self, where)
+        n_inf = int(np.isinf(X.data).sum())
+        if n_inf:
+            _raise_inf(self, n_inf, where)
+        return _sparse.scale_columns(X, self.scale_, inverse, copy)
 
     def _apply(self, X, out, inverse):
         """The map on a validated 2-D float array, written into ``out``."""
@@ -273,6 +299,11 @@ class StandardScaler(_ScalerBase):
         if n_inf:
             _raise_inf(self, n_inf, "inverse_transform" if inverse else "transform")
         return out
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.input_tags.sparse = not self.with_mean     # (centering a sparse X is refused)
+        return tags
 
     # -- persistence -------------------------------------------------------------------
     def _get_state(self):
