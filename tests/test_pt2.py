@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -155,6 +156,41 @@ def test_onnx_standard_operators_run_in_onnxruntime(name, tmp_path):
     program.save(str(path))
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    with torch.no_grad():
+        want = model(x).last_hidden_state
+    torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_jit_trace_records_the_norms(train):
+    # the TorchScript tracer records the composite torch ops (the kernels run outside
+    # anything it sees): a traced model computes as eager on another input, and in
+    # training updates the running statistics as eager does
+    model = _converted("resnet").train(train)
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # (TorchScript's deprecation, the tracer's notes)
+        traced = torch.jit.trace(twin, torch.randn(2, 3, 32, 32), strict=False)
+    twin.load_state_dict(model.state_dict())      # (the trace's own call updated twin)
+    x = torch.randn(2, 3, 32, 32) * 2 + 1
+    want = model(x)
+    got = traced(x)
+    torch.testing.assert_close(got["last_hidden_state"], want.last_hidden_state,
+                               rtol=1e-5, atol=1e-5)
+    _assert_same_state(model, twin)
+
+
+def test_legacy_onnx_exporter_runs_in_onnxruntime(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    model = _converted("resnet").eval()
+    x = torch.randn(2, 3, 32, 32)
+    path = tmp_path / "resnet.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # (the TorchScript-based exporter's deprecation)
+        torch.onnx.export(model, (x,), str(path), dynamo=False, input_names=["x"])
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"x": x.numpy()})[0]
     with torch.no_grad():
         want = model(x).last_hidden_state
     torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)

@@ -109,14 +109,15 @@ def plain_eager(x) -> bool:
 
 
 def transformed() -> bool:
-    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ``jacrev``, ...) or
-    forward-mode AD (``torch.autograd.forward_ad.dual_level``) is active. A transform's
-    wrapped tensors have no storage a kernel could read, and neither the C++ executor's
-    autograd node nor these Functions have a vmap rule or a jvp (a kernel's output would
-    drop a dual tensor's tangent), so such calls take the composite torch ops, which every
-    transform and forward AD support, as torch's own norms do."""
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ``jacrev``, ...),
+    forward-mode AD (``torch.autograd.forward_ad.dual_level``) or the TorchScript tracer
+    (``torch.jit.trace``, the legacy ONNX exporter) is active. A transform's wrapped tensors
+    have no storage a kernel could read, neither the C++ executor's autograd node nor these
+    Functions have a vmap rule or a jvp (a kernel's output would drop a dual tensor's
+    tangent), and the tracer records no kernel: such calls take the composite torch ops,
+    which all of them support, as torch's own norms do."""
     return (torch._C._functorch.maybe_current_level() is not None
-            or forward_ad._current_level >= 0)
+            or forward_ad._current_level >= 0 or torch._C._is_tracing())
 
 
 def _to_param(grad, shape, dtype, grouping):

@@ -48,15 +48,15 @@ class KeptPlan:
     def _plain_call(self, x) -> bool:
         """Whether this call may take a kept plan: eager, a plain contiguous tensor (or,
         for a ``_rows_of_channels`` layer, one whose channels are adjacent in memory:
-        channels_last), no dispatch mode, no autocast and no ``torch.func`` transform
-        (``normkit.autograd.transformed``), an exact normkit class."""
+        channels_last), no dispatch mode, no autocast, no ``torch.func`` transform
+        nor tracer (``normkit.autograd.transformed``), an exact normkit class."""
         return not (torch.compiler.is_compiling() or type(x) is not torch.Tensor
                     or type(self) not in self._plain_classes
                     or torch._C._len_torch_dispatch_stack()
                     or torch._C._is_any_autocast_enabled()          # (normkit.autocast)
                     # autograd.transformed() inline (a call frame less per layer call):
                     or torch._C._functorch.maybe_current_level() is not None
-                    or forward_ad._current_level >= 0
+                    or forward_ad._current_level >= 0 or torch._C._is_tracing()
                     or not (x.is_contiguous()
                             or (self._rows_of_channels and x.dim() > 2 and x.stride(1) == 1)))
 
