@@ -366,3 +366,34 @@ def test_output_can_be_modified_in_place():
     torch.relu_(y)
     y.sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.bool, torch.complex64],
+                         ids=str)
+def test_non_floating_input_is_refused_as_torch_refuses_it(dtype):
+    # torch's kernels raise NotImplementedError for these dtypes; before, normkit returned
+    # a truncated integer (or a complex with its imaginary part dropped) without a word
+    import normkit.nn as nknn
+
+    x = (torch.randn(4, 6, 5) * 3).to(dtype)
+    cases = [  # (normkit's call, torch's twin or None)
+        (lambda: NF.layer_norm(x, (5,)), lambda: TF.layer_norm(x, (5,))),
+        (lambda: NF.group_norm(x, 2), lambda: TF.group_norm(x, 2)),
+        (lambda: NF.batch_norm(x, None, None, training=True),
+         lambda: TF.batch_norm(x, None, None, training=True)),
+        (lambda: NF.instance_norm(x), lambda: TF.instance_norm(x)),
+        (lambda: NF.rms_norm(x, (5,)), None),          # (torch's takes complex)
+        (lambda: NF.normalize(x, dims=(2,)), None),
+        (lambda: NF.batch_renorm(x, torch.zeros(6), torch.ones(6), training=True), None),
+        (lambda: NF.add_layer_norm(x, x, (5,))[0], None),
+        (lambda: nknn.LayerNorm(5)(x), lambda: torch.nn.LayerNorm(5)(x)),
+        (lambda: nknn.BatchNorm1d(6)(x), lambda: torch.nn.BatchNorm1d(6)(x)),
+        (lambda: nknn.GroupNorm(2, 6)(x), lambda: torch.nn.GroupNorm(2, 6)(x)),
+        (lambda: nknn.RMSNorm(5)(x), None),
+    ]
+    for ours, theirs in cases:
+        with pytest.raises(NotImplementedError, match="floating-point input"):
+            ours()
+        if theirs is not None:               # (NotImplementedError is a RuntimeError; torch's
+            with pytest.raises(RuntimeError):  # layers raise their mixed-dtype one)
+                theirs()

@@ -69,9 +69,21 @@ _group, _layer = _eager_cached(G.group), _eager_cached(G.layer)
 _CHANNEL_PARAMS = ("running_mean", "running_var", "weight", "bias")
 
 
-def _check_channels(input, running_mean=None, running_var=None, weight=None, bias=None):
-    """Every given per-channel tensor must have C = input.shape[1] elements. (Named
-    parameters, not ``**params``: a keyword dict per call costs on a small tensor.)"""
+def _check_floating(input, op):
+    """The norms take floating-point input only, as torch's (whose kernels raise
+    NotImplementedError for other dtypes): an integer, bool or complex tensor would come
+    back truncated or with its imaginary part dropped."""
+    if not input.is_floating_point():
+        raise NotImplementedError(
+            f"{op} takes floating-point input (float64, float32, bfloat16 or float16), got "
+            f"{input.dtype}: convert it first, e.g. input.float()")
+
+
+def _check_channels(op, input, running_mean=None, running_var=None, weight=None, bias=None):
+    """A floating input (``_check_floating``) whose C = input.shape[1] matches every given
+    per-channel tensor's element count. (Named parameters, not ``**params``: a keyword dict
+    per call costs on a small tensor.)"""
+    _check_floating(input, op)
     c = input.shape[1]
     for name, p in zip(_CHANNEL_PARAMS, (running_mean, running_var, weight, bias)):
         if p is not None and p.numel() != c:
@@ -167,7 +179,7 @@ def _batch_norm(input, running_mean, running_var, weight, bias, training, moment
     if input.dim() < 2:
         raise ValueError(f"batch_norm expects an input of shape (N, C, *), got {input.dim()}D "
                          f"input of size {_size(input.shape)}; add a batch dim with unsqueeze(0)")
-    _check_channels(input, running_mean, running_var, weight, bias)
+    _check_channels("batch_norm", input, running_mean, running_var, weight, bias)
     grouping = _batch(input.shape)
     if eps < 0 or (training and eps == 0):
         raise ValueError(f"batch_norm eps must be positive (non-negative in eval), got "
@@ -215,8 +227,8 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         raise ValueError(f"instance_norm expects an input of shape (N, C, *S) with at least "
                          f"one spatial dim, got {input.dim()}D input of size "
                          f"{_size(input.shape)}")
-    c = _check_channels(input, running_mean=running_mean, running_var=running_var,
-                        weight=weight, bias=bias)
+    c = _check_channels("instance_norm", input, running_mean=running_mean,
+                        running_var=running_var, weight=weight, bias=bias)
     grouping = _instance(input.shape)
     s = grouping.group_size
     if not use_input_stats:
@@ -257,12 +269,15 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             f"Expected number of channels in input to be divisible by num_groups, but got "
             f"input of shape {_size(input.shape)} and num_groups={num_groups}; choose "
             f"num_groups among the divisors of {c}")
-    _check_channels(input, weight=weight, bias=bias)
+    _check_channels("group_norm", input, weight=weight, bias=bias)
     return apply_norm(input, _group(input.shape, num_groups), weight, bias, eps,
                       keep_stats=False)[0]
 
 
 def _check_normalized_shape(input, normalized_shape, weight, bias, op):
+    """A floating input (``_check_floating``) whose trailing dims are ``normalized_shape``,
+    the shape of the given weight and bias; returns it as a tuple."""
+    _check_floating(input, op)
     shape = tuple(normalized_shape)
     k = len(shape)
     if (k and input.shape[input.dim() - k:] == shape and (weight is None or weight.shape == shape)
@@ -352,6 +367,7 @@ def normalize(x, dims, eps=1e-5, weight=None, bias=None, center=True):
         >>> y = normalize(x, dims=(0, 2, 3))            # BatchNorm's groups
         >>> z = normalize(x, dims=(-1,), center=False)  # RMSNorm over the last dim
     """
+    _check_floating(x, "normalize")
     if isinstance(dims, int):
         dims = (dims,)
     dims = tuple(dims)
@@ -414,7 +430,7 @@ def batch_renorm(input, running_mean, running_var, weight=None, bias=None, train
                          f"d_max={d_max}; r_max=1, d_max=0 is plain batch_norm")
     if not training:
         return batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
-    _check_channels(input, running_mean, running_var, weight, bias)
+    _check_channels("batch_renorm", input, running_mean, running_var, weight, bias)
     grouping = _batch(input.shape)
     n = grouping.group_size
     if n == 1:

@@ -70,6 +70,8 @@ class KeptPlan:
         kept = self.__dict__.get(slot)
         if kept is not None and kept[0] == key:
             return kept[1]
+        if not x.is_floating_point():       # (the full path raises, with torch's error type)
+            return None
         found = build(x, *args)
         if found is not None:
             self.__dict__[slot] = (key, found)
