@@ -145,3 +145,27 @@ def test_merge_all_equals_sequential_merges():
     ranges = merge_all([Range.from_array(c) for c in chunks if len(c)])
     np.testing.assert_array_equal(ranges.min, union.min(0))
     np.testing.assert_array_equal(ranges.max, union.max(0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 60), groups=st.integers(1, 6), seed=st.integers(0, 10_000),
+       offset=st.sampled_from([0.0, 1e6, -1e12]), weighted=st.booleans())
+def test_from_groups_equals_numpy_on_each_group(n, groups, seed, offset, weighted):
+    # values grouped by an index (a sparse matrix's stored values by column) against NumPy
+    # on each group's float64 values; NaN ignored, empty groups zero
+    rng = np.random.default_rng(seed)
+    values = rng.normal(size=n) * 3 + offset
+    values[rng.random(n) < 0.1] = np.nan
+    index = rng.integers(0, groups, n)
+    weights = rng.uniform(0.1, 2, n) if weighted else None
+    got = Moments.from_groups(values, index, groups, np.full(groups, offset), weights)
+    for g in range(groups):
+        mine = index == g
+        count, mean, m2 = np_moments(values[mine][:, None],
+                                     None if weights is None else weights[mine])
+        np.testing.assert_allclose(got.count[g], count[0], rtol=1e-14)
+        if count[0] > 0:
+            np.testing.assert_allclose(got.total_mean()[g], mean[0], rtol=1e-14)
+            np.testing.assert_allclose(got.m2[g], m2[0], rtol=1e-8, atol=1e-10)
+        else:
+            assert got.mean[g] == 0 and got.m2[g] == 0
