@@ -435,3 +435,23 @@ def test_corrupt_or_mismatched_files(tmp_path):
     with pytest.raises(NotFittedError):
         StandardScaler().save(tmp_path / "unfitted.json")
     assert not (tmp_path / "unfitted.json").exists()
+
+
+@pytest.mark.parametrize("make", [StandardScaler, MinMaxScaler])
+def test_float16_is_preserved_and_rounded_once(make, backend):
+    # scikit-learn keeps float16 too; normkit's output is the float64 map of the data
+    # rounded once (scikit-learn's rounds its statistics to float16 first: 1-2 units off)
+    X = make_data((300, 4), np.float16)
+    ours, theirs = make().fit(X), getattr(skp, make.__name__)().fit(X)
+    Z = ours.transform(X)
+    assert Z.dtype == np.float16 == theirs.transform(X).dtype
+    X64 = X.astype(np.float64)
+    if make is StandardScaler:
+        np.testing.assert_allclose(ours.mean_, X64.mean(axis=0), rtol=1e-13)
+        exact = (X64 - X64.mean(axis=0)) / X64.std(axis=0)
+    else:
+        lo, hi = X64.min(axis=0), X64.max(axis=0)
+        exact = (X64 - lo) / (hi - lo)
+    np.testing.assert_array_equal(Z, exact.astype(np.float16))
+    back = ours.inverse_transform(Z)
+    assert back.dtype == np.float16

@@ -29,6 +29,7 @@ The NumPy path walks the same row blocks with ``Moments.from_array`` and ``Momen
 it needs one float64 temporary of a block, never of all of ``X``.
 
 ``USE_NUMBA`` is the module-level switch between the two (tests flip it to check both).
+numba has no float16 on the CPU: float16 input takes the NumPy path (``_jitted``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ def _threads_for(X):
         yield
     finally:
         numba.set_num_threads(before)
+
+
+def _jitted(a) -> bool:
+    """Whether the numba kernels take the array ``a`` (float32/float64 and int indices; no
+    float16, which numba cannot compile on the CPU)."""
+    return USE_NUMBA and a.dtype != np.float16
 
 
 def _block_rows(n_features: int, itemsize: int) -> int:
@@ -216,7 +223,7 @@ if numba is not None:
 def group_moments(values, groups, n_groups, shift, weights=None) -> Moments:
     """``Moments.from_groups``: the moments of the 1-D ``values`` per group (the stored
     values of a sparse matrix by column), NaN ignored; jitted where numba is."""
-    if not USE_NUMBA:
+    if not _jitted(values):
         return Moments.from_groups(values, groups, n_groups, shift, weights)
     shift = np.ascontiguousarray(shift, dtype=np.float64)
     has_w = weights is not None
@@ -237,7 +244,7 @@ def column_moments(X, shift, weights=None) -> Moments:
     shift = np.ascontiguousarray(shift, dtype=np.float64)
     if n == 0:
         return Moments.empty(p, shift)
-    if USE_NUMBA:
+    if _jitted(X):
         has_w = weights is not None
         w = np.ascontiguousarray(weights, dtype=np.float64) if has_w else np.empty(0)
         with _threads_for(X):
@@ -257,7 +264,7 @@ def column_moments(X, shift, weights=None) -> Moments:
 def column_range(X) -> Range:
     """Per-column minimum and maximum of the 2-D array ``X`` as float64, NaN ignored."""
     n, p = X.shape
-    if USE_NUMBA and n:
+    if _jitted(X) and n:
         with _threads_for(X):
             mn, mx = _range_nb(X, CHUNK_ROWS)
         mn, mx = mn.min(axis=0), mx.max(axis=0)
@@ -280,7 +287,7 @@ def subtract_divide(X, sub, div, out) -> int:
     """``out[:] = (X - sub) / div`` column-wise, in float64; return the count of inf in X."""
     p = X.shape[1]
     sub, div = _vec(sub, p), _vec(div, p)
-    if USE_NUMBA:
+    if _jitted(X):
         with _threads_for(X):
             return int(_affine_nb(X, sub, div, out, True, False, 0.0, 0.0, CHUNK_ROWS))
     n_inf = 0
@@ -295,7 +302,7 @@ def multiply_add(X, mul, add, out, clip=None) -> int:
     """``out[:] = X * mul + add`` (then clipped to ``clip=(lo, hi)``); return the inf count."""
     p = X.shape[1]
     mul, add = _vec(mul, p), _vec(add, p)
-    if USE_NUMBA:
+    if _jitted(X):
         lo, hi = (0.0, 0.0) if clip is None else (float(clip[0]), float(clip[1]))
         with _threads_for(X):
             return int(_affine_nb(X, mul, add, out, False, clip is not None, lo, hi,

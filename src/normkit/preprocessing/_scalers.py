@@ -12,8 +12,8 @@ statistics reduced over samples (axis 0) and kept per feature:
 ``fit`` is ``reset`` plus ``partial_fit``; every ``partial_fit`` computes the batch's
 statistics in one pass (``_kernels``) and merges them with the Chan rule, so a stream of
 chunks gives the statistics of the whole. Statistics are float64 whatever the input dtype;
-float32 input is read in place (no float64 copy) and float32 output is produced by one
-rounding of a float64 result.
+float32 input is read in place (no float64 copy) and float32 (float16) output is produced
+by one rounding of a float64 result.
 
 Differences from scikit-learn, all on the side of accuracy:
 
@@ -47,7 +47,7 @@ from normkit.stats import Moments, Range
 
 __all__ = ["MinMaxScaler", "StandardScaler", "min_max_scale", "standard_score"]
 
-_FLOAT_DTYPES = (np.float64, np.float32)
+_FLOAT_DTYPES = (np.float64, np.float32, np.float16)      # (other dtypes: float64)
 _EPS = np.finfo(np.float64).eps
 
 
@@ -111,7 +111,7 @@ class _ScalerBase(OneToOneFeatureMixin, TransformerMixin, BaseEstimator):
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.input_tags.allow_nan = True
-        tags.transformer_tags.preserves_dtype = ["float64", "float32"]
+        tags.transformer_tags.preserves_dtype = ["float64", "float32", "float16"]
         return tags
 
 
