@@ -12,7 +12,8 @@ pytest.importorskip("sklearn")
 sparse = pytest.importorskip("scipy.sparse")
 from sklearn import preprocessing as skp  # noqa: E402
 
-from normkit.preprocessing import MinMaxScaler, StandardScaler, _kernels  # noqa: E402
+from normkit.preprocessing import (MinMaxScaler, StandardScaler, _kernels,  # noqa: E402
+                                   min_max_scale, standard_score)
 
 BACKENDS = ["numba", "numpy"] if _kernels.numba is not None else ["numpy"]
 
@@ -123,6 +124,9 @@ def test_centering_and_infinity_are_refused_with_what_to_do():
         StandardScaler(with_mean=False).fit(X).transform(bad)
     with pytest.raises(TypeError, match="StandardScaler\\(with_mean=False\\)"):
         MinMaxScaler().fit(X)
+    for twin in (standard_score, min_max_scale):
+        with pytest.raises(TypeError, match="StandardScaler\\(with_mean=False\\)"):
+            twin(X)
 
 
 @pytest.mark.skipif(_kernels.numba is None, reason="the jitted path needs numba")

@@ -480,6 +480,11 @@ class MinMaxScaler(_ScalerBase):
 def _along(X, axis, scaler):
     if axis not in (0, 1):
         raise ValueError(f"axis must be 0 (scale each column) or 1 (each row); got {axis!r}.")
+    if _sparse.issparse(X):
+        raise TypeError(
+            f"the function twin of {type(scaler).__name__} shifts each feature (by its mean "
+            "or minimum), which would fill in a sparse matrix's zeros: it takes dense input. "
+            "Scale a sparse X without shifting: StandardScaler(with_mean=False).fit_transform(X)")
     X = np.asarray(X)
     if X.ndim == 1:
         return scaler.fit_transform(X.reshape(-1, 1)).ravel()
