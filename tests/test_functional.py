@@ -397,3 +397,34 @@ def test_non_floating_input_is_refused_as_torch_refuses_it(dtype):
         if theirs is not None:               # (NotImplementedError is a RuntimeError; torch's
             with pytest.raises(RuntimeError):  # layers raise their mixed-dtype one)
                 theirs()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_rms_norm_default_eps_is_torchs_on_small_inputs(dtype):
+    # eps=None: torch's kernel adds its compute dtype's epsilon (float32's for half inputs,
+    # not bfloat16's 0.0078 its documentation names); on inputs of size 0.05 the two differ
+    # by up to 1.8, so the outputs must agree exactly here
+    import normkit.nn as nknn
+
+    x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)) * 0.05).to(dtype)
+    want = TF.rms_norm(x, [16])
+    torch.testing.assert_close(NF.rms_norm(x, [16]), want, rtol=0, atol=3e-7)
+    torch.testing.assert_close(nknn.RMSNorm(16).to(dtype)(x), want, rtol=0, atol=3e-7)
+    torch.testing.assert_close(NF.add_rms_norm(x, x, [16])[0], TF.rms_norm(x + x, [16]),
+                               rtol=0, atol=3e-7)
+
+
+def test_group_norm_of_one_value_per_group_is_refused_as_torch_refuses_it():
+    import normkit.nn as nknn
+
+    x = torch.randn(1, 6)
+    for call in (lambda m: m.group_norm(x, 6), lambda m: m.group_norm(x[..., None], 6)):
+        for module in (NF, TF):
+            with pytest.raises(ValueError, match="more than 1 value per channel"):
+                call(module)
+    for make in (nknn.GroupNorm, torch.nn.GroupNorm):
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            make(6, 6)(x)
+    two = torch.randn(2, 6)                           # N * C / G = 2: torch computes it
+    assert_close(NF.group_norm(two, 6), TF.group_norm(two, 6), torch.float32)
+    assert_close(NF.group_norm(x, 3), TF.group_norm(x, 3), torch.float32)

@@ -15,6 +15,8 @@ the output in the input's dtype.
 
 from __future__ import annotations
 
+import math
+
 try:
     import torch
 except ModuleNotFoundError as error:   # (an optional dependency)
@@ -67,6 +69,14 @@ _group, _layer = _eager_cached(G.group), _eager_cached(G.layer)
 
 
 _CHANNEL_PARAMS = ("running_mean", "running_var", "weight", "bias")
+
+
+def rms_eps(dtype) -> float:
+    """The ``eps`` of an RMS norm given ``eps=None``: the machine epsilon of the dtype it
+    computes in, float32 for float16 and bfloat16 input, as torch's kernels take it (its
+    documentation says the input dtype's; bfloat16's 0.0078 would differ by up to 1.8 on
+    inputs of size 0.05)."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
 
 
 def _check_floating(input, op):
@@ -270,8 +280,19 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             f"input of shape {_size(input.shape)} and num_groups={num_groups}; choose "
             f"num_groups among the divisors of {c}")
     _check_channels("group_norm", input, weight=weight, bias=bias)
+    if _one_value_per_group(input, num_groups):
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size "
+            f"{_size(input.shape)}: with num_groups={num_groups} each group holds one value "
+            f"(torch's group_norm refuses this too); use fewer groups or a larger input")
     return apply_norm(input, _group(input.shape, num_groups), weight, bias, eps,
                       keep_stats=False)[0]
+
+
+def _one_value_per_group(input, num_groups) -> bool:
+    """torch's ``group_norm`` check: the product of ``N * C / G`` and the spatial sizes is 1
+    (a batch of one, one channel per group, no positions)."""
+    return input.shape[0] * (input.shape[1] // num_groups) * math.prod(input.shape[2:]) == 1
 
 
 def _check_normalized_shape(input, normalized_shape, weight, bias, op):
@@ -323,7 +344,8 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, cast
     .. math:: y = \frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}} \cdot (\text{offset}
               + \gamma)
 
-    ``eps=None`` uses ``torch.finfo(input.dtype).eps``, as torch does. Keyword-only, for
+    ``eps=None`` uses the epsilon of the compute dtype (``rms_eps``: float32's for half
+    inputs), as torch's kernel does. Keyword-only, for
     language models: ``offset`` (Gemma stores the weight as an offset from 1:
     ``offset=1.0``) and ``casting``, where the cast to the output dtype happens:
     ``"torch"`` (torch.nn.RMSNorm's, one fused op), ``"llama"``, ``"gemma"`` or ``"t5"``
@@ -336,10 +358,8 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, cast
         ...              casting="gemma")
     """
     shape = _check_normalized_shape(input, normalized_shape, weight, None, "rms_norm")
-    if eps is None:    # (under autocast the op computes in fp32, as torch's does: its eps)
-        half = input.dtype in (torch.float16, torch.bfloat16)
-        eps = torch.finfo(torch.float32 if half and torch.is_autocast_enabled(
-            input.device.type) else input.dtype).eps
+    if eps is None:
+        eps = rms_eps(input.dtype)
     check_casting(casting, offset, weight)
     if casting != "torch":                       # normalize as the model does, then its cast
         return cast_norm(input, _layer(input.shape, len(shape)), weight, None, eps, False,
@@ -510,7 +530,7 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, memory
     .. math:: h = x + r, \qquad y = \frac{h}{\sqrt{\mathrm{mean}(h^2) + \epsilon}}
               \cdot (\text{offset} + \gamma)
 
-    ``eps=None`` uses ``torch.finfo(x.dtype).eps``, as ``rms_norm``. ``memory_saving``
+    ``eps=None`` uses ``rms_eps(x.dtype)``, as ``rms_norm``. ``memory_saving``
     as in ``add_layer_norm`` (weight nonzero required; ``xhat = y / weight``).
     ``offset`` and ``casting`` as in ``rms_norm``: with a model's casting rule the output
     and gradients are those of ``x + residual`` followed by ``rms_norm`` with that rule,
@@ -526,7 +546,7 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, memory
     _check_residual(x, residual, "add_rms_norm")
     shape = _check_normalized_shape(x, normalized_shape, weight, None, "add_rms_norm")
     if eps is None:
-        eps = torch.finfo(x.dtype).eps
+        eps = rms_eps(x.dtype)
     check_casting(casting, offset, weight)
     if casting == "torch":
         if offset:

@@ -102,7 +102,7 @@ def add_norm(norm, a, b):
     if isinstance(norm, nknn.LayerNorm):
         return nF.add_layer_norm(a, b, norm.normalized_shape, norm.weight, norm.bias,
                                  norm.eps, memory_saving=False)
-    eps = norm.eps if norm.eps is not None else torch.finfo(a.dtype).eps
+    eps = norm.eps if norm.eps is not None else nF.rms_eps(a.dtype)
     return nF.add_rms_norm(a, b, norm.normalized_shape, norm.weight, eps, memory_saving=False,
                            offset=norm.offset, casting=norm.casting)
 

@@ -139,10 +139,11 @@ class GroupNorm(KeptPlan, nn.Module):
 
     def _build(self, x):
         """(node, None) of the plan for ``x`` (``KeptPlan``), None for an input the full path
-        must check (fewer than 2 dims, channels not num_channels)."""
+        must check (fewer than 2 dims, channels not num_channels, one value per group)."""
         params = self._own_params()
         if (params is None or x.dim() < 2 or x.shape[1] != self.num_channels
-                or any(p is not None and p.numel() != self.num_channels for p in params)):
+                or any(p is not None and p.numel() != self.num_channels for p in params)
+                or F._one_value_per_group(x, self.num_groups)):
             return None
         grouping = F._group(x.shape, self.num_groups)
         if view_strides(x.shape, x.stride(), grouping.view) is None:
@@ -168,7 +169,8 @@ class RMSNorm(KeptPlan, nn.Module):
 
     Args:
         normalized_shape: the trailing shape to normalize over (int or list).
-        eps: added inside the square root; None uses ``torch.finfo(x.dtype).eps``.
+        eps: added inside the square root; None uses the compute dtype's epsilon
+            (``normkit.functional.rms_eps``: float32's for half inputs, as torch's kernel).
             Default: None.
         elementwise_affine: learnable weight (init 1). Default: True.
         offset: keyword-only; the layer scales by ``offset + weight`` and initializes the
@@ -219,7 +221,7 @@ class RMSNorm(KeptPlan, nn.Module):
         if (self.offset or self.casting != "torch" or x.dim() < k
                 or tuple(x.shape[x.dim() - k:]) != shape or (w is not None and w.shape != shape)):
             return None
-        return backends.plan(x, F._layer(x.shape, k), False, False), torch.finfo(x.dtype).eps
+        return backends.plan(x, F._layer(x.shape, k), False, False), F.rms_eps(x.dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self._plain_call(input) and "weight" in self._parameters:
