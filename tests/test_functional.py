@@ -428,3 +428,34 @@ def test_group_norm_of_one_value_per_group_is_refused_as_torch_refuses_it():
     two = torch.randn(2, 6)                           # N * C / G = 2: torch computes it
     assert_close(NF.group_norm(two, 6), TF.group_norm(two, 6), torch.float32)
     assert_close(NF.group_norm(x, 3), TF.group_norm(x, 3), torch.float32)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_jagged_nested_tensors_are_normalized_as_torch_normalizes_them():
+    # LayerNorm / RMSNorm of a jagged nested tensor (variable-length sequences) over its
+    # dense trailing dims: normkit's kernels on its values, kept nested; the gradients
+    # reach the nested input and the parameters. The strided layout is refused.
+    import normkit.nn as nknn
+
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(3, 4, 8, generator=gen), torch.randn(5, 4, 8, generator=gen)]
+    for ours, theirs, shape in [(nknn.LayerNorm(8), torch.nn.LayerNorm(8), (8,)),
+                                (nknn.LayerNorm([4, 8]), torch.nn.LayerNorm([4, 8]), (4, 8)),
+                                (nknn.RMSNorm(8), torch.nn.RMSNorm(8), (8,))]:
+        with torch.no_grad():
+            ours.weight.uniform_(0.5, 1.5)
+            theirs.weight.copy_(ours.weight)
+        results = []
+        for layer in (ours, theirs):
+            x = torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=True)
+            y = layer(x)
+            assert y.is_nested and y.layout == torch.jagged
+            (y.values() * torch.arange(y.values().numel()).view_as(y.values())).sum().backward()
+            results.append((y.values(), x.grad.values(), layer.weight.grad))
+        for got, want in zip(*results):
+            assert_close(got, want, torch.float32)
+    strided = torch.nested.nested_tensor(parts)
+    with pytest.raises(NotImplementedError, match="jagged layout"):
+        nknn.LayerNorm(8)(strided)
+    with pytest.raises(NotImplementedError, match="jagged layout"):
+        NF.rms_norm(strided, (8,))

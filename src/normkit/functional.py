@@ -333,9 +333,28 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         >>> layer_norm(x, [5]).round(decimals=4)
         tensor([[-0.2675,  1.4464, -1.1036,  0.8611, -0.9364]])
     """
+    if input.is_nested:
+        return _on_values(input, len(normalized_shape), "layer_norm",
+                          lambda v: layer_norm(v, normalized_shape, weight, bias, eps))
     shape = _check_normalized_shape(input, normalized_shape, weight, bias, "layer_norm")
     return apply_norm(input, _layer(input.shape, len(shape)), weight, bias, eps,
                       keep_stats=False)[0]
+
+
+def _on_values(input, k, op, norm):
+    """``norm`` of a nested tensor in the jagged layout over its last ``k`` dims, all
+    dense: a norm of each of its rows, so ``norm`` of its values (the rows of every
+    sequence, one after the other), kept with its offsets and lengths. Other nested
+    tensors (the strided layout, a norm over the ragged dim) are refused."""
+    ragged = getattr(input, "_ragged_idx", 1)
+    if input.layout != torch.jagged or ragged >= input.dim() - k:
+        raise NotImplementedError(
+            f"{op} takes a nested tensor in the jagged layout, normalized over dims after its "
+            f"ragged one (got layout {input.layout}, ragged dim {ragged}, {input.dim()} dims, "
+            f"the last {k} normalized): build it with torch.nested.nested_tensor(..., "
+            f"layout=torch.jagged), or use torch's {op} for this one")
+    return torch.nested.nested_tensor_from_jagged(norm(input.values()), input.offsets(),
+                                                  input.lengths())
 
 
 def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, casting="torch"):
@@ -357,6 +376,10 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, cast
         >>> y = rms_norm(x, [8], torch.zeros(8, dtype=torch.bfloat16), 1e-6, offset=1.0,
         ...              casting="gemma")
     """
+    if input.is_nested:
+        return _on_values(input, len(normalized_shape), "rms_norm",
+                          lambda v: rms_norm(v, normalized_shape, weight, eps, offset=offset,
+                                             casting=casting))
     shape = _check_normalized_shape(input, normalized_shape, weight, None, "rms_norm")
     if eps is None:
         eps = rms_eps(input.dtype)

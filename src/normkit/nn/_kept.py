@@ -51,6 +51,7 @@ class KeptPlan:
         channels_last), no dispatch mode, no autocast, no ``torch.func`` transform
         nor tracer (``normkit.autograd.transformed``), an exact normkit class."""
         return not (torch.compiler.is_compiling() or type(x) is not torch.Tensor
+                    or x.is_nested                           # (a strided nested tensor)
                     or type(self) not in self._plain_classes
                     or torch._C._len_torch_dispatch_stack()
                     or torch._C._is_any_autocast_enabled()          # (normkit.autocast)
