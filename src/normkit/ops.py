@@ -50,6 +50,8 @@ for ``ExportedProgram.run_decompositions``.
 
 from __future__ import annotations
 
+import sys
+
 try:
     import torch
 except ModuleNotFoundError as error:   # (an optional dependency)
@@ -387,11 +389,12 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
     ``mean`` and ``var`` come back None and the caller has nothing left to update). ``y``
     is never a view of ``x``, so callers may modify it in place. ``act``: ``y`` is that
     activation of the norm's output (``normkit.activation``)."""
-    if not (torch.compiler.is_compiling() or transformed()):  # eager (the common case)
+    sharded = _sharded(x)
+    if not (torch.compiler.is_compiling() or transformed() or sharded):  # eager (common)
         y, mean, _, var = norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
                                        fixed_rstd, keep_stats, fixed_var, running, act)
         return y, mean, var
-    if decomposing():
+    if sharded or decomposing():
         if fixed_mean is not None:
             fixed_mean, fixed_rstd = torch_ops.fixed_stats(grouping, fixed_mean, fixed_rstd,
                                                            fixed_var, eps)
@@ -401,6 +404,16 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
     y, mean, _, var = norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
                                    fixed_rstd, keep_stats, fixed_var, act=act)
     return y, mean, var
+
+
+def _sharded(x) -> bool:
+    """Whether ``x`` is a DTensor (tensor parallelism): its sharding rules cover torch's
+    ops, not normkit's operator, so its calls take the composite ops, whose reductions it
+    distributes itself. (Looked up only where ``torch.distributed.tensor`` is loaded.)"""
+    if type(x) is torch.Tensor:
+        return False
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
 
 
 def cast_norm(x, grouping, weight, bias, eps, center, casting, offset, ndtype):
