@@ -425,9 +425,10 @@ def test_group_norm_of_one_value_per_group_is_refused_as_torch_refuses_it():
     for make in (nknn.GroupNorm, torch.nn.GroupNorm):
         with pytest.raises(ValueError, match="more than 1 value per channel"):
             make(6, 6)(x)
-    two = torch.randn(2, 6)                           # N * C / G = 2: torch computes it
-    assert_close(NF.group_norm(two, 6), TF.group_norm(two, 6), torch.float32)
-    assert_close(NF.group_norm(x, 3), TF.group_norm(x, 3), torch.float32)
+    # N * C / G = 2: torch computes it (groups of one value: 0, torch's within 1e-4 of it)
+    two = torch.randn(2, 6, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(NF.group_norm(two, 6), TF.group_norm(two, 6), rtol=0, atol=1e-4)
+    torch.testing.assert_close(NF.group_norm(x, 3), TF.group_norm(x, 3), rtol=0, atol=1e-4)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -443,17 +444,20 @@ def test_jagged_nested_tensors_are_normalized_as_torch_normalizes_them():
                                 (nknn.LayerNorm([4, 8]), torch.nn.LayerNorm([4, 8]), (4, 8)),
                                 (nknn.RMSNorm(8), torch.nn.RMSNorm(8), (8,))]:
         with torch.no_grad():
-            ours.weight.uniform_(0.5, 1.5)
+            ours.weight.uniform_(0.5, 1.5, generator=gen)
             theirs.weight.copy_(ours.weight)
+        g = torch.randn(8, 4, 8, generator=gen)
         results = []
         for layer in (ours, theirs):
             x = torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=True)
             y = layer(x)
             assert y.is_nested and y.layout == torch.jagged
-            (y.values() * torch.arange(y.values().numel()).view_as(y.values())).sum().backward()
+            (y.values() * g).sum().backward()
             results.append((y.values(), x.grad.values(), layer.weight.grad))
         for got, want in zip(*results):
-            assert_close(got, want, torch.float32)
+            # (dx cancels sums over a row: float32 rounding of their size)
+            torch.testing.assert_close(got, want, rtol=1e-4,
+                                       atol=1e-5 * max(1.0, want.abs().max().item()))
     strided = torch.nested.nested_tensor(parts)
     with pytest.raises(NotImplementedError, match="jagged layout"):
         nknn.LayerNorm(8)(strided)
