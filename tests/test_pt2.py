@@ -194,3 +194,20 @@ def test_legacy_onnx_exporter_runs_in_onnxruntime(tmp_path):
     with torch.no_grad():
         want = model(x).last_hidden_state
     torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_export_with_a_dynamic_batch(train):
+    # a batch dim exported as dynamic: no guard on its size (training BatchNorm's
+    # n / (n - 1) once made one), and a call on another batch size equals eager
+    model = _converted("resnet").train(train)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(copy.deepcopy(model), (torch.randn(2, 3, 32, 32),),
+                             dynamic_shapes={"pixel_values": {0: batch}})
+    loaded = ep.module()
+    x = torch.randn(5, 3, 32, 32)
+    want, got = model(x), loaded(x)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-5,
+                               atol=1e-5)
+    for (n, b), lb in zip(model.named_buffers(), loaded.buffers()):
+        torch.testing.assert_close(lb, b, rtol=1e-6, atol=1e-6, msg=n)

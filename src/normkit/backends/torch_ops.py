@@ -68,8 +68,7 @@ def update_running(running_mean, running_var, mean, var, momentum, unbias=1.0):
     does); no autograd: the values detached rather than a ``no_grad`` block, which
     ``torch.export`` cannot keep in a training graph. Per-tensor ops, not ``_foreach_*``,
     which ``torch.func.vmap`` cannot batch."""
-    if unbias != 1.0:
-        var = var * unbias
+    var = var * unbias          # (always: a branch on a symbolic n / (n - 1) is a guard)
     for buffer, value in ((running_mean, mean), (running_var, var)):
         value = value.detach().reshape(buffer.shape).to(buffer.dtype)
         buffer.mul_(torch.tensor(1.0 - momentum, dtype=buffer.dtype)).add_(value * momentum)
