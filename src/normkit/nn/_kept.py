@@ -8,12 +8,13 @@ that input gets (``normkit.backends.plan``; on the CPU the C++ executor) and cal
 through the one call path, ``normkit.ops.run``, with its own parameters and buffers.
 
 The full path (``normkit.functional``) runs instead for anything else: traced calls or
-``torch.func`` transforms, a tensor subclass or a dispatch mode, a non-contiguous input
-(but channels_last for BatchNorm and GroupNorm), a subclass of the layer (parametrized
-layers are one), an input the layer's checks refuse (it raises there, with its message). Parameters or buffers of
-another size or device than the plan's (after ``param.data = ...``) are the plan's error,
-which says what it expected. ``normkit.backends.clear_plans`` starts a new plan epoch,
-which drops the kept plans; copies and pickles leave them behind (``__getstate__``).
+``torch.func`` transforms, a tensor subclass, a nested tensor or a dispatch mode, a
+non-contiguous input (but channels_last for BatchNorm and GroupNorm), a subclass of the
+layer (parametrized layers are one), an input the layer's checks refuse (it raises there,
+with its message). Parameters or buffers of another size or device than the plan's (after
+``param.data = ...``) are the plan's error, which says what it expected.
+``normkit.backends.clear_plans`` starts a new plan epoch, which drops the kept plans;
+copies and pickles leave them behind (``__getstate__``).
 """
 
 from __future__ import annotations
