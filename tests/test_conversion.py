@@ -166,3 +166,14 @@ def test_convert_of_a_cpu_model_does_not_warn():
         warnings.simplefilter("error")
         normkit.convert(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8)))
         normkit.convert(nn.Sequential(nn.Linear(4, 8)))          # nothing to swap
+
+
+def test_torchscript_modules_are_refused_with_what_to_do():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+        for script in (torch.jit.script(model), torch.jit.trace(model, torch.randn(2, 8))):
+            with pytest.raises(TypeError, match="convert the model first"):
+                normkit.convert(script)

@@ -41,6 +41,7 @@ import itertools
 import warnings
 
 try:
+    import torch
     from torch import nn
 except ModuleNotFoundError as error:   # (an optional dependency)
     from normkit._extras import needs
@@ -242,6 +243,9 @@ def convert(model: nn.Module, *, fuse_residual: bool = False,
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}; "
                         f"pass the model itself")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError("convert works on eager modules, got a TorchScript module (scripted "
+                        "or traced): convert the model first, then script or trace it")
     for flag, value in (("fuse_residual", fuse_residual), ("fuse_activation", fuse_activation)):
         if not isinstance(value, bool):
             raise TypeError(f"convert expects {flag} to be True or False, got {value!r}")
