@@ -364,9 +364,9 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, cast
               + \gamma)
 
     ``eps=None`` uses the epsilon of the compute dtype (``rms_eps``: float32's for half
-    inputs), as torch's kernel does. Keyword-only, for
-    language models: ``offset`` (Gemma stores the weight as an offset from 1:
-    ``offset=1.0``) and ``casting``, where the cast to the output dtype happens:
+    inputs), as torch's kernel does. Keyword-only, for language models: ``offset`` (Gemma
+    stores the weight as an offset from 1: ``offset=1.0``) and ``casting``, where the cast
+    to the output dtype happens:
     ``"torch"`` (torch.nn.RMSNorm's, one fused op), ``"llama"``, ``"gemma"`` or ``"t5"``
     (see ``normkit.rms_casting``).
 
