@@ -212,3 +212,55 @@ def test_onnx_equals_eager(tmp_path):
     got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(got), model(x), rtol=1e-4, atol=1e-4)
+
+
+_LLVM_RUN = """
+import re, sys
+import torch
+from normkit.backends.cpu import args, entries, plans
+entry = getattr(entries, sys.argv[1])
+for fused in (False, True):
+    llvm = args.callback(entry, *plans.protos(torch.float64), fused).inspect_llvm()
+    print(llvm.count("fcmp"), bool(re.search(r"@(llvm[.])?exp[f.(]", llvm)))
+"""
+
+
+@pytest.mark.parametrize("entry", ["channels_small_backward", "columns_forward"])
+def test_a_batchnorm_without_activation_compiles_none_of_its_code(entry, tmp_path):
+    """A BatchNorm kernel entry compiles twice (``args.callback``'s ``fused``): without an
+    activation its machine code has none of the activation's (no SiLU's ``exp``), which
+    halves a first unfused call's compilation; with one it has it."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))       # compiled here: LLVM kept
+    r = subprocess.run([sys.executable, "-c", _LLVM_RUN, entry], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (plain_compares, plain_exp), (fused_compares, fused_exp) = (
+        line.split() for line in r.stdout.split("\n")[:2])
+    assert (plain_exp, fused_exp) == ("False", "True")
+    assert int(plain_compares) < int(fused_compares)
+
+
+def test_plans_take_the_callback_of_their_activation(monkeypatch):
+    """An unfused BatchNorm's plan runs the entries compiled without an activation; a fused
+    one the entries with it."""
+    from normkit import backends
+    from normkit.backends.cpu import args
+
+    seen = []
+    real = args.callback
+    monkeypatch.setattr(args, "callback", lambda entry, proto, sproto, fused=False: (
+        seen.append((entry.__name__, fused)) or real(entry, proto, sproto, fused)))
+    x = _input((2, 5, 4, 3), None, torch.float32)
+    for activation in (None, "relu"):
+        backends.clear_plans()
+        if activation is None:
+            F.batch_norm(x, None, None, training=True)
+        else:
+            F.batch_norm_act(x, None, None, training=True, activation=activation)
+    backends.clear_plans()
+    assert seen[:2] == [(name, False) for name, _ in seen[:2]]
+    assert seen[2:] == [(name, True) for name, _ in seen[2:]] and len(seen) == 4

@@ -7,35 +7,38 @@ the plain formula of ``stores`` followed by the activation, written once as a Py
 function of numbers and made into drivers by ``stores.span_store`` / ``rows_store``.
 
 The kernels take ``act = (code, clamp scalars, silu scalars)`` (``act_params``): the
-code of ``normkit.activation.CODES`` (0: none) and the scalars of its formula in the
-statistics dtype. relu, relu6 and leaky_relu are one formula of selects (``clamp``), so
+code of ``normkit.activation.CODES`` and the scalars of its formula in the statistics
+dtype; or ``act = None``, no activation, which numba tells apart by its type: each
+kernel is compiled without the activation's code (``args.callback``'s ``fused``), its
+``act is None`` branches pruned before typing. relu, relu6 and leaky_relu are one formula of selects (``clamp``), so
 the streamed (non-temporal) stores evaluate them on vectors as the plain loop does, with
 the same bits. SiLU needs ``exp``, which LLVM does not vectorize without a vector math
 library (a call of ``expf`` per element): its stores are the plain loop alone
 (``streamed=False``), whose pace is that call, not the memory a streamed store saves.
 
-``act_store(..)`` makes one driver of the three (none, clamp, silu), chosen once per
-call outside the loops: each loop is compiled for one formula, and the loop without an
-activation is exactly the unfused one.
+``span_act_store(..)`` makes one driver of the three (none, clamp, silu): the plain one
+where ``act`` is None, chosen when compiling (the unfused driver exactly), else clamp or
+silu, chosen once per call outside the loops.
 """
 
 from __future__ import annotations
 
 import math
 
+from numba import types
 from numba.extending import overload, register_jitable
 
 from normkit.backends.cpu.stores import (rows_store, span_store, store_affine_per_channel,
                                          store_affine_scalar, store_dx_per_channel,
                                          store_dx_rows_planes, where)
 
-__all__ = ["ACT_NONE", "ACT_SILU", "act_params", "clamp",
+__all__ = ["ACT_SILU", "act_params", "clamp",
            "clamp_grad", "silu", "silu_grad", "store_affine_per_channel_act",
            "store_affine_scalar_act", "store_dx_per_channel_act", "store_dx_rows_planes_act"]
 
 #: the codes of normkit.activation.CODES the kernels tell apart (relu 1, relu6 2 and
 #: leaky_relu 3 are ``clamp``'s)
-ACT_NONE, ACT_RELU6, ACT_LEAKY, ACT_SILU = 0, 2, 3, 4
+ACT_RELU6, ACT_LEAKY, ACT_SILU = 2, 3, 4
 
 # (register_jitable returns the Python function itself: the streamed stores call it on
 # LLVM values, the jitted formulas inline it)
@@ -141,7 +144,7 @@ def act_params(code, slope, sdt):
 
 def span_act_store(plain, clamped, silu_store):
     """``store(dst, arrays, scalars, prefetch, stream, act, extra)``: ``plain`` (a
-    ``span_store`` driver) for no activation, else ``clamped`` or ``silu_store`` (the
+    ``span_store`` driver) where ``act`` is None, else ``clamped`` or ``silu_store`` (the
     drivers of the formula followed by the activation) with ``extra`` (scalars the
     activation's formula alone reads: the backward's b) and the activation's scalars
     appended to ``scalars``."""
@@ -150,10 +153,13 @@ def span_act_store(plain, clamped, silu_store):
 
     @overload(driver, inline="always")
     def _driver_impl(dst, arrays, scalars, prefetch, stream, act, extra):
-        def run(dst, arrays, scalars, prefetch, stream, act, extra):
-            if act[0] == ACT_NONE:
+        if isinstance(act, types.NoneType):
+            def run_plain(dst, arrays, scalars, prefetch, stream, act, extra):
                 plain(dst, arrays, scalars, prefetch, stream)
-            elif act[0] == ACT_SILU:
+            return run_plain
+
+        def run(dst, arrays, scalars, prefetch, stream, act, extra):
+            if act[0] == ACT_SILU:
                 silu_store(dst, arrays, scalars + extra + act[2], prefetch, stream)
             else:
                 clamped(dst, arrays, scalars + extra + act[1], prefetch, stream)
@@ -170,10 +176,13 @@ def rows_act_store(plain, clamped, silu_store):
 
     @overload(driver, inline="always")
     def _driver_impl(dst, row_arrays, channel_arrays, c_, r0, r1, stream, act, extra):
-        def run(dst, row_arrays, channel_arrays, c_, r0, r1, stream, act, extra):
-            if act[0] == ACT_NONE:
+        if isinstance(act, types.NoneType):
+            def run_plain(dst, row_arrays, channel_arrays, c_, r0, r1, stream, act, extra):
                 plain(dst, row_arrays, channel_arrays, c_, r0, r1, stream)
-            elif act[0] == ACT_SILU:
+            return run_plain
+
+        def run(dst, row_arrays, channel_arrays, c_, r0, r1, stream, act, extra):
+            if act[0] == ACT_SILU:
                 silu_store(dst, row_arrays, channel_arrays + extra, c_, r0, r1, stream,
                            act[2])
             else:

@@ -16,6 +16,8 @@ Each argument has a name and one slot of ``a``, the same in every kernel (``SLOT
               the activation a BatchNorm applies (``normkit.activation.CODES``, 0:
               none), and ``slope``, leaky_relu's slope as the int64 of its float64
               bits (``float_bits``; ``address.float_of_bits`` reads it back, exactly)
+              -- read only by a callback compiled ``fused``: without an activation the
+              callback passes None for both, so that the kernels compile without its code
 
 An entry's parameters are its declaration (``entries``): ``callback`` compiles it as a
 numba ``cfunc`` generated from those names -- ``entry(a[slot of name1], a[slot of
@@ -47,6 +49,8 @@ CONSTANTS = ("m", "k", "n", "c", "s", "groups", "center", "fixed", "ahead", "blo
              "chunks", "act", "slope")
 SLOTS = {name: slot for slot, name in enumerate(TENSORS + PER_CALL + CONSTANTS)}
 
+#: the constants of a BatchNorm's activation, None in a callback compiled without one
+_ACTIVATION = ("act", "slope")
 #: the callback's own arguments, after the slots: eps (a double), and the storage and
 #: statistics dtypes as empty arrays (compile-time constants of each callback)
 _TAIL = ("eps", "proto", "sproto")
@@ -121,19 +125,26 @@ def _notice() -> None:
         print(_NOTICE, file=sys.stderr, flush=True)
 
 
-def callback(entry, proto, sproto):
+def callback(entry, proto, sproto, fused=False):
     """``entry`` as a C callback ``void(int64 *a, double eps)`` for one storage and
     statistics dtype (compiled once per process, or loaded from numba's cache): its body
-    is generated from the entry's parameters, one slot read each. A compilation says so
-    on standard error (``NOTICE_AFTER_S``), once per process."""
-    key = (entry.__name__, proto.dtype, sproto.dtype)
+    is generated from the entry's parameters, one slot read each. An entry that reads
+    ``act`` is compiled twice: ``fused``, with the activation of the ``act`` and
+    ``slope`` slots, or without one (None in their place: ``act_stores``), which compiles
+    in about half the time, its loops exactly those of no activation. A compilation says
+    so on standard error (``NOTICE_AFTER_S``), once per process."""
+    names = parameters(entry)
+    fused = fused and "act" in names
+    key = (entry.__name__, proto.dtype, sproto.dtype, fused)
     found = _CALLBACKS.get(key)
     if found is None:
-        reads = ", ".join(f"a[{SLOTS[name]}]" for name in parameters(entry))
+        reads = ", ".join("None" if name in _ACTIVATION and not fused else f"a[{SLOTS[name]}]"
+                          for name in names)
+        name = entry.__name__ + ("_fused" if fused else "")
         source = (f"def make(proto, sproto):\n"
-                  f"    def {entry.__name__}(a, eps):\n"
+                  f"    def {name}(a, eps):\n"
                   f"        entry({reads}, eps, proto, sproto)\n"
-                  f"    return {entry.__name__}\n")
+                  f"    return {name}\n")
         # (compiled as this file, and under this module's name: numba's cache needs both)
         namespace = {"entry": entry, "__name__": __name__}
         exec(compile(source, __file__, "exec"), namespace)

@@ -39,12 +39,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from normkit.backends.cpu.moments import (cl_range_grad_sums, cl_range_moments, from_memory,
                                           grad_lanes, lane_scratch)
 from normkit.backends.cpu.rows import JIT
-from normkit.backends.cpu.act_stores import (ACT_NONE, store_affine_per_channel_act,
+from normkit.backends.cpu.act_stores import (store_affine_per_channel_act,
                                              store_dx_per_channel_act)
 from normkit.backends.cpu.stores import fence
 from normkit.stats_numba import chan_merge
@@ -109,6 +110,28 @@ def apply_rows(x, y, w, b, stats, stream, act, lo, hi):
         fence()
 
 
+def _lane_act(act, rstd, params, run):
+    """``act`` with the forward's scale and shift per lane, (run*C,) each (``params =
+    (w, b)``), as ``moments.cl_range_grad_sums`` takes it; None where ``act`` is None
+    (chosen when compiling: the sums' loop then has none of the activation's code)."""
+
+
+@overload(_lane_act, inline="always")
+def _lane_act_impl(act, rstd, params, run):
+    if isinstance(act, types.NoneType):
+        return lambda act, rstd, params, run: None
+
+    def lane_act(act, rstd, params, run):
+        w, b = params
+        c_ = w.shape[0]
+        scale, shift = np.empty(run * c_, rstd.dtype), np.empty(run * c_, rstd.dtype)
+        for r in range(run):
+            for c in range(c_):
+                scale[r * c_ + c], shift[r * c_ + c] = rstd[c] * w[c], b[c]
+        return (act[0], act[1], act[2], scale, shift)
+    return lane_act
+
+
 @njit(**JIT)
 def chunk_grad_sums(g, x, stats, chunk, sums, params, act, lo, hi):
     """Stage 0 backward: each chunk's per-column sums of g and g * xhat into
@@ -123,19 +146,7 @@ def chunk_grad_sums(g, x, stats, chunk, sums, params, act, lo, hi):
     fetch = from_memory(x)
     for r in range(run):
         lanes[2][r * c_:(r + 1) * c_] = mean
-    if act[0] == ACT_NONE:     # (a loop without the activation's code: planes.channels_fixed)
-        for u in range(lo, hi):
-            r0, r1 = _rows_of(u, rows, m)
-            sg[u, :] = 0.0
-            sgx[u, :] = 0.0
-            cl_range_grad_sums(g, x, c_, r0, r1, rows, run, lanes, rstd, sg[u], sgx[u], fetch)
-        return
-    w, b = params
-    scale, shift = np.empty(run * c_, mean.dtype), np.empty(run * c_, mean.dtype)
-    for r in range(run):                           # the forward's scale and shift, per lane
-        for c in range(c_):
-            scale[r * c_ + c], shift[r * c_ + c] = rstd[c] * w[c], b[c]
-    lane_act = (act[0], act[1], act[2], scale, shift)
+    lane_act = _lane_act(act, rstd, params, run)
     for u in range(lo, hi):
         r0, r1 = _rows_of(u, rows, m)
         sg[u, :] = 0.0

@@ -26,8 +26,8 @@ is ``args.scratch_bytes``, its layout in the docstring of the entry.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
-from numba.extending import register_jitable
+from numba import njit, types
+from numba.extending import overload, register_jitable
 
 from normkit.backends.cpu import channels_last as cl
 from normkit.backends.cpu import columns, planes, rows
@@ -62,11 +62,17 @@ def _rstd(var, eps):
     return out
 
 
-@register_jitable
 def _act(act, slope, sproto):
     """The kernels' ``act`` of the constants ``act`` (a code) and ``slope`` (float64 bits),
-    in the statistics dtype (``act_stores.act_params``)."""
-    return act_params(act, float_of_bits(slope), sproto)
+    in the statistics dtype (``act_stores.act_params``); None where the callback passes
+    None (compiled without an activation: ``args.callback``)."""
+
+
+@overload(_act, inline="always")
+def _act_impl(act, slope, sproto):
+    if isinstance(act, types.NoneType):
+        return lambda act, slope, sproto: None
+    return lambda act, slope, sproto: act_params(act, float_of_bits(slope), sproto)
 
 
 @register_jitable

@@ -43,9 +43,10 @@ def build(family, x):
     """The C++ ``Plan`` that runs the calls of ``family`` (a ``plans`` object built for
     ``x``); the extension must be loaded (``extension()``)."""
     ext = extension()
-    forward = args.callback(family.forward_entry, family.proto, family.sproto)
-    backward = args.callback(family.backward_entry, family.proto, family.sproto)
     g, act = family.grouping, family.activation
+    forward = args.callback(family.forward_entry, family.proto, family.sproto, act is not None)
+    backward = args.callback(family.backward_entry, family.proto, family.sproto,
+                             act is not None)
     ones = x.new_ones(family.params, dtype=family.sdtype)
     return ext.Plan(x.new_empty(0), forward.address, backward.address,
                     args.constants(family, family.forward_entry, family.backward_entry),

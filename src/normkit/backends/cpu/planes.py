@@ -34,13 +34,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
-from numba.extending import register_jitable
+from numba import njit, types
+from numba.extending import overload, register_jitable
 
 from normkit.backends.cpu.half import accumulate, like, load, store
 from normkit.backends.cpu.moments import plane_merge, split_mean, two_pass
 from normkit.backends.cpu.rows import JIT
-from normkit.backends.cpu.act_stores import (ACT_NONE, ACT_SILU, clamp, clamp_grad, silu,
+from normkit.backends.cpu.act_stores import (ACT_SILU, clamp, clamp_grad, silu,
                                              silu_grad, store_affine_scalar_act,
                                              store_dx_rows_planes_act)
 from normkit.backends.cpu.stores import fence, store_affine_scalar, store_dx_rows_planes
@@ -73,17 +73,19 @@ def _plane_sums(gb, xb, mu, rs, sdt):
     return sg, sgx
 
 
-@register_jitable(inline="always")   # inlined: see cpu.rows.JIT
 def _plane_sums_act(gb, xb, mu, rs, wb, act, sdt):
     """(sum(g'), sum(g' * xhat)) over one plane of BatchNorm followed by ``act``:
     g' = g * act'(z), z = xhat * w + b (``wb = (w, b)`` of the plane's channel); g itself
-    without an activation."""
-    if act[0] == ACT_NONE:
-        return _plane_sums(gb, xb, mu, rs, sdt)
-    return _act_plane_sums(gb, xb, mu, rs, wb, act, sdt)
+    where ``act`` is None (``_plane_sums``, chosen when compiling)."""
 
 
-@register_jitable(inline="always")
+@overload(_plane_sums_act, inline="always")   # inlined: see cpu.rows.JIT
+def _plane_sums_act_impl(gb, xb, mu, rs, wb, act, sdt):
+    if isinstance(act, types.NoneType):
+        return lambda gb, xb, mu, rs, wb, act, sdt: _plane_sums(gb, xb, mu, rs, sdt)
+    return _act_plane_sums
+
+
 def _act_plane_sums(gb, xb, mu, rs, wb, act, sdt):
     """``_plane_sums_act`` with an activation: one loop per formula, chosen outside it
     (see ``_small_store``)."""
@@ -107,13 +109,29 @@ def _act_plane_sums(gb, xb, mu, rs, wb, act, sdt):
     return sg, sgx
 
 
-@register_jitable(inline="always")
 def _small_store(yr, xr, coefs, act):
     """``y = act(((x - mean_hi) - mean_lo) * scale + shift)`` over one small plane in a
-    plain loop, one loop per formula chosen outside it (a branch on the activation inside
-    keeps LLVM from vectorizing the loop: (16, 256, 14, 14) eval with relu ran 6x slower
-    than without). An activation only: the callers run the loop without one themselves
-    (``channels_fixed``)."""
+    plain loop; without ``act`` where it is None (chosen when compiling: the loop of no
+    activation has none of its code, which in the same body, not run, made an eval
+    (64, 32, 8, 8) call on 2 threads take 22 us, not 18), else one loop per formula
+    chosen outside it (a branch on the activation inside keeps LLVM from vectorizing the
+    loop: (16, 256, 14, 14) eval with relu ran 6x slower than without)."""
+
+
+@overload(_small_store, inline="always")
+def _small_store_impl(yr, xr, coefs, act):
+    if isinstance(act, types.NoneType):
+        return _small_store_plain
+    return _small_store_act
+
+
+def _small_store_plain(yr, xr, coefs, act):
+    mh, ml, scale, shift = coefs
+    for i in range(xr.shape[0]):
+        store(yr, i, ((load(xr, i) - mh) - ml) * scale + shift)
+
+
+def _small_store_act(yr, xr, coefs, act):
     mh, ml, scale, shift = coefs
     code, cl, si = act
     if code == ACT_SILU:
@@ -124,6 +142,43 @@ def _small_store(yr, xr, coefs, act):
         for i in range(xr.shape[0]):
             store(yr, i, clamp(((load(xr, i) - mh) - ml) * scale + shift, zero, slope, top,
                                leaky))
+
+
+def _small_dx(dr, gr, xr, coefs, act):
+    """``dx = (g' * w - c_mean - xhat * c_var) * rstd`` over one small plane in a plain
+    loop, ``coefs = (mean, rstd, w, b, c_mean, c_var)``: g' = g where ``act`` is None
+    (chosen when compiling: the activation's loops in the same body, not run, made a
+    (8, 64, 8, 8) training call 4-9 % slower), else g * act'(z), z = xhat * w + b, one
+    loop per formula (see ``_small_store``)."""
+
+
+@overload(_small_dx, inline="always")
+def _small_dx_impl(dr, gr, xr, coefs, act):
+    if isinstance(act, types.NoneType):
+        return _small_dx_plain
+    return _small_dx_act
+
+
+def _small_dx_plain(dr, gr, xr, coefs, act):
+    mu, rs, wc, _, c_mean, c_var = coefs
+    for i in range(xr.shape[0]):
+        store(dr, i, (load(gr, i) * wc - c_mean - ((load(xr, i) - mu) * rs) * c_var) * rs)
+
+
+def _small_dx_act(dr, gr, xr, coefs, act):
+    mu, rs, wc, bc, c_mean, c_var = coefs
+    code, cl, si = act
+    if code == ACT_SILU:
+        for i in range(xr.shape[0]):
+            xh = (load(xr, i) - mu) * rs
+            gi = silu_grad(load(gr, i), xh * wc + bc, si[0])
+            store(dr, i, (gi * wc - c_mean - xh * c_var) * rs)
+    else:
+        zero, slope, top, leaky = cl[0], cl[1], cl[2], cl[3]
+        for i in range(xr.shape[0]):
+            xh = (load(xr, i) - mu) * rs
+            gi = clamp_grad(load(gr, i), xh * wc + bc, zero, slope, top, leaky)
+            store(dr, i, (gi * wc - c_mean - xh * c_var) * rs)
 
 
 @register_jitable(inline="always")   # inlined: see cpu.rows.JIT
@@ -230,19 +285,11 @@ def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, act, lo, hi):
                 mh[c - c0], ml[c - c0] = split_mean(load(x[0, c], 0), mean64[c - c0], mean)
                 rstd[c] = 1.0 / math.sqrt(v + eps)
                 mean[c], var[c] = mh[c - c0], v
-        if act[0] == ACT_NONE:                    # (without the activation's stores in the
-            for n in range(n_):                   # loop: see channels_fixed)
-                for c in range(c0, c1):                            # block from L2/L3
-                    store_affine_scalar(y[n, c], (x[n, c],),
+        for n in range(n_):
+            for c in range(c0, c1):                                # block from L2/L3
+                store_affine_scalar_act(y[n, c], (x[n, c],),
                                         (mh[c - c0], ml[c - c0], rstd[c] * w[c], b[c]),
-                                        (x[0, 0, :0], x[0, 0, :0]), stream)
-        else:
-            for n in range(n_):
-                for c in range(c0, c1):
-                    store_affine_scalar_act(y[n, c], (x[n, c],),
-                                            (mh[c - c0], ml[c - c0], rstd[c] * w[c],
-                                             b[c]),
-                                            (x[0, 0, :0], x[0, 0, :0]), stream, act, ())
+                                        (x[0, 0, :0], x[0, 0, :0]), stream, act, ())
     if stream:
         fence()
 
@@ -262,29 +309,8 @@ def channels_fixed(x, y, w, b, stats, small, out, act, lo, hi):
     stream, ahead = out
     c_, s_ = x.shape[1], x.shape[2]
     n, c = lo // c_, lo % c_
-    if act[0] == ACT_NONE:
-        # the loop without the activation's code, as it was: with the activation's stores
-        # in its body (not run) an eval (64, 32, 8, 8) call on 2 threads took 22 us, not 18
-        for u in range(lo, hi):
-            if u > lo:                                             # (n, c) of plane u
-                c += 1
-                if c == c_:
-                    n, c = n + 1, 0
-            mh, ml = mean[c], like(mean, 0.0)
-            scale, shift = rstd[c] * w[c], b[c]
-            if small:
-                xr, yr = x[n, c], y[n, c]
-                for i in range(s_):
-                    store(yr, i, ((load(xr, i) - mh) - ml) * scale + shift)
-            else:
-                store_affine_scalar(y[n, c], (x[n, c],), (mh, ml, scale, shift),
-                                    (_plane_ahead(x, n, c, ahead, lo, hi - 1), x[0, 0, :0]),
-                                    stream)
-        if stream:
-            fence()
-        return
     for u in range(lo, hi):
-        if u > lo:
+        if u > lo:                                                 # (n, c) of plane u
             c += 1
             if c == c_:
                 n, c = n + 1, 0
@@ -368,14 +394,8 @@ def channels_small(x, y, w, b, eps, fixed, stats, act, lo, hi):
             rs = like(mean, 1.0 / math.sqrt(v + eps))
             mean[c], rstd[c], var[c] = mh, rs, v
         scale, shift = rs * w[c], b[c]
-        if act[0] == ACT_NONE:       # (the loop of no activation as it was: measured faster)
-            for n in range(n_):
-                xr, yr = x[n, c], y[n, c]
-                for i in range(s_):
-                    store(yr, i, ((load(xr, i) - mh) - ml) * scale + shift)
-        else:
-            for n in range(n_):
-                _small_store(y[n, c], x[n, c], (mh, ml, scale, shift), act)
+        for n in range(n_):
+            _small_store(y[n, c], x[n, c], (mh, ml, scale, shift), act)
 
 
 @njit(**JIT)
@@ -389,49 +409,18 @@ def channels_small_backward(g, x, w, b, stats, center, fixed, dx, sums, act, lo,
     sg, sgx = sums
     n_, c_, s_ = x.shape
     count = n_ * s_
-    code, cl, si = act
-    if code == ACT_NONE:
-        # the loops without the activation's, as they were (its loops in the same body, not
-        # run, made a (8, 64, 8, 8) training call 4-9 % slower: see channels_fixed)
-        for c in range(lo, hi):
-            mu, rs, wc = mean[c], rstd[c], w[c]
-            tgx, tg = 0.0, 0.0
-            for n in range(n_):
-                a, q = _plane_sums(g[n, c], x[n, c], mu, rs, mean)
-                sg[n, c], sgx[n, c] = a, q
-                tgx += q
-                tg += a
-            c_var = like(mean, 0.0 if fixed else wc * tgx / count)
-            c_mean = like(mean, wc * tg / count if center and not fixed else 0.0)
-            for n in range(n_):
-                gr, xr, dr = g[n, c], x[n, c], dx[n, c]
-                for i in range(s_):
-                    store(dr, i, (load(gr, i) * wc - c_mean - ((load(xr, i) - mu) * rs)
-                                  * c_var) * rs)
-        return
-    zero, slope, top, leaky = cl[0], cl[1], cl[2], cl[3]
     for c in range(lo, hi):
         mu, rs, wc, bc = mean[c], rstd[c], w[c], b[c]
         tgx, tg = 0.0, 0.0
         for n in range(n_):
-            a, q = _act_plane_sums(g[n, c], x[n, c], mu, rs, (wc, bc), act, mean)
+            a, q = _plane_sums_act(g[n, c], x[n, c], mu, rs, (wc, bc), act, mean)
             sg[n, c], sgx[n, c] = a, q
             tgx += q
             tg += a
         c_var = like(mean, 0.0 if fixed else wc * tgx / count)
         c_mean = like(mean, wc * tg / count if center and not fixed else 0.0)
-        for n in range(n_):                          # (one loop per formula: _small_store)
-            gr, xr, dr = g[n, c], x[n, c], dx[n, c]
-            if code == ACT_SILU:
-                for i in range(s_):
-                    xh = (load(xr, i) - mu) * rs
-                    gi = silu_grad(load(gr, i), xh * wc + bc, si[0])
-                    store(dr, i, (gi * wc - c_mean - xh * c_var) * rs)
-            else:
-                for i in range(s_):
-                    xh = (load(xr, i) - mu) * rs
-                    gi = clamp_grad(load(gr, i), xh * wc + bc, zero, slope, top, leaky)
-                    store(dr, i, (gi * wc - c_mean - xh * c_var) * rs)
+        for n in range(n_):
+            _small_dx(dx[n, c], g[n, c], x[n, c], (mu, rs, wc, bc, c_mean, c_var), act)
 
 
 @njit(**JIT)

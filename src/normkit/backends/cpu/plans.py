@@ -49,10 +49,12 @@ def protos(dtype):
 def compile_entry(name: str, dtypes) -> str:
     """Compile (or load from numba's cache) the kernel entry ``name`` of ``entries`` for
     the input dtypes named ``dtypes`` (``python -m normkit.backends.cpu``: compiling is
-    what was asked for, so without the first compilation's notice)."""
+    what was asked for, so without the first compilation's notice); a BatchNorm entry both
+    without and with an activation (``args.callback``'s ``fused``)."""
     args.quiet()
     for dtype in dtypes:
-        args.callback(getattr(entries, name), *protos(getattr(torch, dtype)))
+        for fused in (False, True):
+            args.callback(getattr(entries, name), *protos(getattr(torch, dtype)), fused)
     return name
 
 
