@@ -1,9 +1,10 @@
 """``python -m normkit.backends.cpu [--dtypes ...] [--jobs N]``: build the C++ executor of
 the CPU calls (``normkit.backends.cpu.native``) and compile every kernel entry for the
 given input dtypes (float32 and bfloat16 by default; ``all``: the four) now, rather than
-at the first calls (1-13 s per entry and dtype on an empty cache). ``make setup`` runs it.
+at the first calls (1-11 s per entry and dtype on an empty cache). ``make setup`` runs it.
 The entries compile in ``--jobs`` processes (default: one per core), each entry in one
-process for all its dtypes (they share numba's cache index). Without a compiler it says
+process for all its dtypes (they share numba's cache index), a BatchNorm entry both
+without and with an activation. Without a compiler it says
 so (the composite torch path then runs every CPU call, and ``make test`` fails at
 once)."""
 

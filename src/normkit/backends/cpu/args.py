@@ -109,7 +109,7 @@ _CALLBACKS = {}
 #: a compilation still running after this many seconds (not a load from numba's cache)
 #: prints ``_NOTICE`` on standard error, once per process
 NOTICE_AFTER_S = 1.0
-_NOTICE = ("normkit: compiling the CPU kernels of this kind of call (1-13 s each, once per "
+_NOTICE = ("normkit: compiling the CPU kernels of this kind of call (1-11 s each, once per "
            "machine: cached on disk); `python -m normkit.backends.cpu` compiles them ahead")
 _noticed = threading.Event()
 
