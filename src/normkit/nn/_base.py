@@ -1,4 +1,5 @@
-"""Shared pieces of the normkit layers: argument checks and the running-statistics base."""
+"""Shared pieces of the normkit layers: argument checks, the running-statistics base, and
+their call while torch.fx traces."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["check_eps", "init_affine", "reset_affine", "NormBase"]
+__all__ = ["check_eps", "fx_leaf", "init_affine", "reset_affine", "NormBase"]
 
 
 def check_eps(eps, cls_name: str, allow_none: bool = False):
@@ -21,6 +22,22 @@ def check_eps(eps, cls_name: str, allow_none: bool = False):
             f"{cls_name}: eps must be a positive finite number (it is added to the variance "
             f"before the square root so that a constant group is not divided by zero), got "
             f"eps={eps!r}; the usual value is 1e-5")
+
+
+def fx_leaf(layer, input):
+    """``layer(input)`` while ``torch.fx`` traces (``input`` an fx ``Proxy``): one
+    ``call_module`` node, as fx records torch.nn's norms (its leaf modules), so that the
+    traced module calls the layer itself and computes, and updates running statistics, as
+    eager does. (fx would otherwise trace into the layer's Python, whose checks on the
+    input's shape it cannot follow.) The layer must be a submodule of the traced one."""
+    tracer = input.tracer
+    name = tracer.path_of_module(layer)
+    if not name:
+        raise TypeError(
+            f"torch.fx cannot trace a normkit {type(layer).__name__} as the root module (it "
+            f"records a norm as one call of the module that holds it, as it does torch.nn's); "
+            f"trace a module that holds it, e.g. torch.fx.symbolic_trace(nn.Sequential(layer))")
+    return tracer.create_proxy("call_module", name, (input,), {})
 
 
 def init_affine(module, shape, affine, bias, factory_kwargs) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import fx
 
 from normkit import functional as F
+from normkit.nn._base import fx_leaf
 from normkit.nn.batchnorm import DIM_DOC, _BatchNorm
 
 __all__ = ["BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d"]
@@ -51,6 +53,8 @@ class _BatchRenorm(_BatchNorm):
         return r, d
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, fx.Proxy):          # torch.fx traces: one call_module node
+            return fx_leaf(self, input)
         self._check_input_dim(input)
         r_max, d_max = self.limits() if self.training else (1.0, 0.0)  # step before counting
         factor = self._exponential_average_factor()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import torch
+from torch import fx
 
 from normkit import backends, ops
 from normkit import functional as F
 from normkit import grouping as G
 from normkit.activation import resolve
-from normkit.nn._base import NormBase
+from normkit.nn._base import NormBase, fx_leaf
 from normkit.nn._kept import KeptPlan
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
@@ -135,6 +136,8 @@ class _BatchNorm(KeptPlan, NormBase):
             y = self._eval_call(input)
             if y is not None:
                 return y
+        if isinstance(input, fx.Proxy):          # torch.fx traces: one call_module node
+            return fx_leaf(self, input)
         self._check_input_dim(input)
         factor = self._exponential_average_factor()
         if self.training and self.track_running_stats:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch import fx
 
 from normkit import functional as F
-from normkit.nn._base import NormBase
+from normkit.nn._base import NormBase, fx_leaf
 
 __all__ = ["InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
 
@@ -44,6 +45,8 @@ class _InstanceNorm(NormBase):
                                       unexpected_keys, error_msgs)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, fx.Proxy):          # torch.fx traces: one call_module node
+            return fx_leaf(self, input)
         self._check_input_dim(input)
         feature_dim = input.dim() - self._no_batch_dim
         if input.size(feature_dim) != self.num_features:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numbers
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from normkit import backends
 from normkit import functional as F
 from normkit.grouping import view_strides
-from normkit.nn._base import check_eps, init_affine, reset_affine
+from normkit.nn._base import check_eps, fx_leaf, init_affine, reset_affine
 from normkit.nn._kept import KeptPlan
 from normkit.rms_casting import check_casting
 
@@ -82,6 +82,8 @@ class LayerNorm(KeptPlan, nn.Module):
         y = self._affine_call(input)
         if y is not None:
             return y
+        if isinstance(input, fx.Proxy):          # torch.fx traces: one call_module node
+            return fx_leaf(self, input)
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -154,6 +156,8 @@ class GroupNorm(KeptPlan, nn.Module):
         y = self._affine_call(input)
         if y is not None:
             return y
+        if isinstance(input, fx.Proxy):          # torch.fx traces: one call_module node
+            return fx_leaf(self, input)
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -231,6 +235,8 @@ class RMSNorm(KeptPlan, nn.Module):
                 y = self._call_plan(input, found, eps, self._parameters["weight"], None)
                 if y is not None:
                     return y
+        if isinstance(input, fx.Proxy):          # torch.fx traces: one call_module node
+            return fx_leaf(self, input)
         return F.rms_norm(input, self.normalized_shape, self.weight, self.eps,
                           offset=self.offset, casting=self.casting)
 

@@ -6,10 +6,11 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from normkit import functional as F
 from normkit import ops
+from normkit.nn._base import fx_leaf
 from normkit.nn._sync import sync_batch_norm
 from normkit.nn.batch_renorm import _BatchRenorm
 from normkit.nn.batchnorm import _BatchNorm
@@ -99,6 +100,8 @@ class SyncBatchNorm(_BatchNorm):
         return (group, world_size) if world_size > 1 else None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, fx.Proxy):          # torch.fx traces: one call_module node
+            return fx_leaf(self, input)
         self._check_input_dim(input)
         factor = self._exponential_average_factor()
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
