@@ -8,13 +8,14 @@ function of numbers and made into drivers by ``stores.span_store`` / ``rows_stor
 
 The kernels take ``act = (code, clamp scalars, silu scalars)`` (``act_params``): the
 code of ``normkit.activation.CODES`` and the scalars of its formula in the statistics
-dtype; or ``act = None``, no activation, which numba tells apart by its type: each
-kernel is compiled without the activation's code (``args.callback``'s ``fused``), its
-``act is None`` branches pruned before typing. relu, relu6 and leaky_relu are one formula of selects (``clamp``), so
-the streamed (non-temporal) stores evaluate them on vectors as the plain loop does, with
-the same bits. SiLU needs ``exp``, which LLVM does not vectorize without a vector math
-library (a call of ``expf`` per element): its stores are the plain loop alone
-(``streamed=False``), whose pace is that call, not the memory a streamed store saves.
+dtype; or ``act = None``, no activation, told apart by its type when compiling: an
+``overload`` picks the loops without the activation's code, so a callback compiled
+unfused (``args.callback``'s ``fused``) has none of it. relu, relu6 and leaky_relu are
+one formula of selects (``clamp``), so the streamed (non-temporal) stores evaluate them
+on vectors as the plain loop does, with the same bits. SiLU needs ``exp``, which LLVM
+does not vectorize without a vector math library (a call of ``expf`` per element): its
+stores are the plain loop alone (``streamed=False``), whose pace is that call, not the
+memory a streamed store saves.
 
 ``span_act_store(..)`` makes one driver of the three (none, clamp, silu): the plain one
 where ``act`` is None, chosen when compiling (the unfused driver exactly), else clamp or
