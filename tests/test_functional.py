@@ -463,3 +463,24 @@ def test_jagged_nested_tensors_are_normalized_as_torch_normalizes_them():
         nknn.LayerNorm(8)(strided)
     with pytest.raises(NotImplementedError, match="jagged layout"):
         NF.rms_norm(strided, (8,))
+
+
+_MIXED = {"layer_norm": lambda F, x, w, b, rm, rv: F.layer_norm(x, (5,), w[:5], b[:5]),
+          "group_norm": lambda F, x, w, b, rm, rv: F.group_norm(x, 2, w, b),
+          "batch_norm": lambda F, x, w, b, rm, rv: F.batch_norm(x, rm, rv, w, b, False)}
+
+
+@pytest.mark.parametrize("op", list(_MIXED))
+def test_parameters_of_another_dtype_are_taken_in_the_inputs(op):
+    """Where torch refuses a weight, bias or running buffer of another floating dtype than
+    a float32 input (docs/architecture.md, "Where normkit differs from torch on purpose"),
+    normkit computes as with them cast to the statistics dtype: the same output."""
+    x = torch.randn(4, 8, 5, 5)
+    half = [t.bfloat16() for t in (torch.rand(8) + 0.5, torch.randn(8), torch.randn(8),
+                                   torch.rand(8) + 0.5)]
+    with pytest.raises(RuntimeError):
+        _MIXED[op](TF, x, *half)
+    got = _MIXED[op](NF, x, *half)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, _MIXED[op](NF, x, *[t.float() for t in half]), rtol=0,
+                               atol=0)
