@@ -286,3 +286,30 @@ def test_source_articles_layer_norm_example():
     expected = torch.from_numpy(ARTICLE_OUTPUT).float()
     y = nknn.LayerNorm(5)(x)
     assert torch.equal(y.detach().round(decimals=4), expected)
+
+
+def test_torch_jit_script_says_what_to_do_and_the_recipe_works():
+    """torch.jit.script of a model holding normkit layers raises an error naming the layer
+    and the way out (``_base.refuse_script``; TorchScript's own error pointed inside the
+    layer's Python); a reverted copy scripts, equals the model, and leaves it converted."""
+    import warnings
+
+    import normkit
+
+    torch.manual_seed(0)
+    model = tnn.Sequential(tnn.Conv2d(3, 4, 3), tnn.BatchNorm2d(4), tnn.GroupNorm(2, 4),
+                           tnn.InstanceNorm2d(4), tnn.Flatten(1), tnn.LayerNorm(144),
+                           tnn.RMSNorm(144)).eval()
+    normkit.convert(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)      # (TorchScript's own)
+        with pytest.raises(RuntimeError, match=r"cannot compile normkit's BatchNorm2d.*"
+                                               r"normkit\.revert\(scripted\)"):
+            torch.jit.script(model)
+        scripted = copy.deepcopy(model)
+        normkit.revert(scripted)
+        scripted = torch.jit.script(scripted)
+    assert [type(m).__name__ for m in model if type(m).__module__.startswith("normkit.")] == [
+        "BatchNorm2d", "GroupNorm", "InstanceNorm2d", "LayerNorm", "RMSNorm"]
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(scripted(x), model(x), rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
-"""Shared pieces of the normkit layers: argument checks, the running-statistics base, and
-their call while torch.fx traces."""
+"""Shared pieces of the normkit layers: argument checks, the running-statistics base, their
+call while torch.fx traces, and their refusal of TorchScript."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["check_eps", "fx_leaf", "init_affine", "reset_affine", "NormBase"]
+__all__ = ["check_eps", "fx_leaf", "init_affine", "refuse_script", "reset_affine",
+           "NormBase"]
 
 
 def check_eps(eps, cls_name: str, allow_none: bool = False):
@@ -38,6 +39,19 @@ def fx_leaf(layer, input):
             f"records a norm as one call of the module that holds it, as it does torch.nn's); "
             f"trace a module that holds it, e.g. torch.fx.symbolic_trace(nn.Sequential(layer))")
     return tracer.create_proxy("call_module", name, (input,), {})
+
+
+def refuse_script(layer):
+    """The layers' ``__prepare_scriptable__``, which ``torch.jit.script`` calls on every
+    module before compiling it: a normkit layer cannot be compiled (its forward calls
+    kernels from Python), so the error says so and what to do, in place of TorchScript's
+    error from deep inside the layer. (Handing torch a torch.nn twin instead would put it
+    into the caller's eager model too: torch writes the prepared modules back.)"""
+    raise RuntimeError(
+        f"torch.jit.script cannot compile normkit's {type(layer).__name__} (its forward calls "
+        f"compiled kernels from Python). Script a reverted copy -- scripted = "
+        f"copy.deepcopy(model); normkit.revert(scripted); torch.jit.script(scripted) -- or "
+        f"use torch.export or torch.compile, which take normkit's layers")
 
 
 def init_affine(module, shape, affine, bias, factory_kwargs) -> None:
@@ -74,6 +88,7 @@ class NormBase(nn.Module):
 
     _version = 2
     __constants__ = ["track_running_stats", "momentum", "eps", "num_features", "affine"]
+    __prepare_scriptable__ = refuse_script
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
                  track_running_stats=True, device=None, dtype=None, *, bias=True):

@@ -23,6 +23,7 @@ import torch
 from torch.autograd import forward_ad
 
 from normkit import backends, ops
+from normkit.nn._base import refuse_script
 
 __all__ = ["KeptPlan"]
 
@@ -36,6 +37,7 @@ class KeptPlan:
 
     #: the exact classes that may keep a node (set per layer module)
     _plain_classes: tuple = ()
+    __prepare_scriptable__ = refuse_script
 
     def __getstate__(self):
         state = super().__getstate__()
