@@ -84,12 +84,14 @@ import hashlib, torch, normkit.functional as NF
 torch.manual_seed(0)
 out = []
 for op, shape in (("layer", (64, 1280)), ("rms", (16, 300)), ("batch", (8, 16, 33, 31)),
-                  ("group", (4, 32, 9, 9))):
+                  ("group", (4, 32, 9, 9)), ("batch_act", (8, 16, 33, 31))):
     x = torch.randn(shape, requires_grad=True)
     c = shape[-1] if op in ("layer", "rms") else shape[1]
     w = torch.randn(c, requires_grad=True)
     y = {"layer": lambda: NF.layer_norm(x, (c,), w), "rms": lambda: NF.rms_norm(x, (c,), w),
          "batch": lambda: NF.batch_norm(x, None, None, w, training=True),
+         "batch_act": lambda: NF.batch_norm_act(x, None, None, w, training=True,
+                                                activation="silu"),
          "group": lambda: NF.group_norm(x, 8, w)}[op]()
     y.backward(torch.randn_like(y))
     parts = (y.detach(), x.grad, w.grad)
@@ -100,9 +102,9 @@ print(" ".join(out))
 
 def test_kernels_round_the_same_compiled_or_loaded_from_the_cache(tmp_path):
     """A process that compiles the kernels and one that loads them from numba's disk cache
-    give the same bits (forward and backward of each family). They did not while a helper
-    with a re-associable reduction was compiled on its own as well as inlined in a cached
-    caller (``cpu.rows.JIT``; benchmarks/cache_rounding.py)."""
+    give the same bits (forward and backward of each family, and of a fused BatchNorm).
+    They did not while a helper with a re-associable reduction was compiled on its own as
+    well as inlined in a cached caller (``cpu.rows.JIT``; benchmarks/cache_rounding.py)."""
     import os
     import subprocess
     import sys
