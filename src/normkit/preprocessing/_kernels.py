@@ -9,7 +9,8 @@ Three operations, each with two implementations of one contract:
     Per-column ``Range`` (NaN ignored; an all-NaN column gives NaN).
 ``group_moments(values, groups, n_groups, shift, weights)``
     ``Moments`` of 1-D values per group index (a sparse matrix's stored values by column),
-    NaN ignored: ``Moments.from_groups``, or its jitted twin, the same sums bit for bit.
+    NaN ignored: ``Moments.from_groups``, or its jitted twin, the same sums bit for bit;
+    and how many values each group holds, NaN included.
 ``subtract_divide(X, sub, div, out)`` / ``multiply_add(X, mul, add, out, clip)``
     The fused element-wise maps of every transform: ``(x - sub) / div`` and
     ``x * mul + add`` (optionally clipped), computed in float64 and cast once into ``out``.
@@ -196,41 +197,49 @@ if numba is not None:
     @numba.njit(cache=True, fastmath=False)
     def _group_moments_nb(values, groups, n_groups, shift, w, has_w):  # pragma: no cover
         """``Moments.from_groups`` in two passes over the values, the same sums in the same
-        order (bit for bit the NumPy path)."""
+        order (bit for bit the NumPy path); and the values each group holds, NaN included."""
+        held = np.zeros(n_groups, np.int64)
         count = np.zeros(n_groups)  # n_groups
         total = np.zeros(n_groups)  # n_groups: sum of w * (x - shift)
         for i in range(values.shape[0]):
-            d = values[i] - shift[groups[i]]
+            g = groups[i]
+            d = values[i] - shift[g]
+            held[g] += 1
             if d == d:
                 wi = w[i] if has_w else 1.0
-                count[groups[i]] += wi
-                total[groups[i]] += wi * d if has_w else d
+                count[g] += wi
+                total[g] += wi * d if has_w else d
         mean = np.empty(n_groups)
         for g in range(n_groups):
             mean[g] = total[g] / (count[g] if count[g] != 0.0 else 1.0)
         resid = np.zeros(n_groups)  # n_groups: sum of w * dev (pass one's rounding)
         squares = np.zeros(n_groups)  # n_groups: sum of w * dev**2
         for i in range(values.shape[0]):
-            dev = (values[i] - shift[groups[i]]) - mean[groups[i]]
+            g = groups[i]
+            dev = (values[i] - shift[g]) - mean[g]
             if dev == dev:
                 wdev = w[i] * dev if has_w else dev
-                resid[groups[i]] += wdev
-                squares[groups[i]] += wdev * dev
-        return count, mean, resid, squares
+                resid[g] += wdev
+                squares[g] += wdev * dev
+        return count, mean, resid, squares, held
 
 
 # --------------------------------------------------------------------------- front ends
-def group_moments(values, groups, n_groups, shift, weights=None) -> Moments:
-    """``Moments.from_groups``: the moments of the 1-D ``values`` per group (the stored
-    values of a sparse matrix by column), NaN ignored; jitted where numba is."""
+def group_moments(values, groups, n_groups, shift, weights=None):
+    """``(Moments.from_groups(..), held)``: the moments of the 1-D ``values`` per group (the
+    stored values of a sparse matrix by column), NaN ignored, and how many values each
+    group holds, NaN included (int64); jitted where numba is (the counts in its first
+    pass, not a pass of their own)."""
     if not _jitted(values):
-        return Moments.from_groups(values, groups, n_groups, shift, weights)
+        return (Moments.from_groups(values, groups, n_groups, shift, weights),
+                np.bincount(groups, minlength=n_groups))
     shift = np.ascontiguousarray(shift, dtype=np.float64)
     has_w = weights is not None
     w = np.ascontiguousarray(weights, dtype=np.float64) if has_w else np.empty(0)
-    count, mean, resid, squares = _group_moments_nb(values, groups, n_groups, shift, w, has_w)
+    count, mean, resid, squares, held = _group_moments_nb(values, groups, n_groups, shift, w,
+                                                          has_w)
     safe = np.where(count == 0, 1.0, count)
-    return Moments(count, mean + resid / safe, squares - resid * resid / safe, shift)
+    return Moments(count, mean + resid / safe, squares - resid * resid / safe, shift), held
 
 
 def column_moments(X, shift, weights=None) -> Moments:

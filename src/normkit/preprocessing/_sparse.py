@@ -52,9 +52,8 @@ def column_moments(X, shift, weights=None) -> Moments:
         X.sum_duplicates()
     cols = _columns(X)
     w = None if weights is None else np.asarray(weights, np.float64)[_rows(X)]
-    stored = _kernels.group_moments(X.data, cols, p, shift, w)
     # each row holds in each column a stored value (NaN ones not counted) or a zero
-    held = np.bincount(cols, minlength=p)
+    stored, held = _kernels.group_moments(X.data, cols, p, shift, w)
     if weights is None:
         zeros = (n - held).astype(np.float64)
     else:
@@ -69,7 +68,11 @@ def scale_columns(X, scale, inverse, copy):
     X = X.tocsr(copy=copy) if X.format == "csr" else X.tocsr()
     if scale is None:
         return X
-    factor = np.asarray(scale, np.float64)[X.indices]
-    values = X.data * factor if inverse else X.data / factor
-    X.data[...] = values                      # float64, rounded once to X's dtype
+    factor = np.take(np.asarray(scale, np.float64), X.indices)
+    # in float64, rounded once to X's dtype (float64 data: in place, no temporary)
+    out = X.data if X.data.dtype == np.float64 else None
+    values = np.multiply(X.data, factor, out=out) if inverse else \
+        np.divide(X.data, factor, out=out)
+    if out is None:
+        X.data[...] = values
     return X
