@@ -19,12 +19,12 @@
 // items) contiguous ranges, run in a parallel region of torch's own OpenMP runtime
 // (GOMP_parallel, from _parallel.py), with no Python callback per thread (at::
 // parallel_for's region is a pragma in a header: it would bind this extension to a second
-// OpenMP runtime). Without that runtime (after a fork, or a torch without OpenMP) the
-// ranges run one after the other on this thread.
-#include <torch/extension.h>
-
+// OpenMP runtime). Without that runtime (after a fork, no OpenMP) they run in turn here.
+#include <ATen/ATen.h>  // (not <torch/extension.h>, the whole C++ frontend: 35 s to build, not 23)
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <pthread.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace normkit_native {   // native_support.cpp
 bool rows_of_channels(const at::Tensor& x, int64_t n, int64_t c, int64_t s);

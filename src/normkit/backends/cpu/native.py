@@ -13,7 +13,7 @@ same behind a ``torch::autograd::Function``, whose backward is differentiated th
 ``torch.ops.normkit.norm_backward`` (double backward).
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is
-needed on a machine (a C++ compiler and ninja, about 30-60 s, announced on standard
+needed on a machine (a C++ compiler and ninja, about 20-40 s, announced on standard
 error; cached in torch's extension folder, ``TORCH_EXTENSIONS_DIR``, and loaded in
 milliseconds after); ``python -m normkit.backends.cpu`` compiles it ahead of time (``make
 setup`` does). Without a compiler, or with ``NORMKIT_NATIVE=0``, there is no CPU
@@ -125,7 +125,7 @@ def _say_if_building(cpp_extension, sources) -> None:
     if (ninja.exists() and all(str(source) in ninja.read_text() for source in sources)
             and any(p.stat().st_mtime >= newer for p in folder.glob("normkit_native*.so"))):
         return
-    print("normkit: compiling its C++ executor once for this machine (about 30-60 s); "
+    print("normkit: compiling its C++ executor once for this machine (about 20-40 s); "
           "`python -m normkit.backends.cpu` does it ahead of time", file=sys.stderr, flush=True)
 
 
