@@ -23,7 +23,9 @@ no two iterations write the same memory), then per unit ``c_var = sum(w * sgx) /
 
 The BatchNorm kernels (``channels_*``) take ``act`` (``act_stores``): y is stored
 through that activation, and the backward's sums and dx use g' = g * act'(z), z = xhat *
-w + b recomputed from x and the statistics.
+w + b recomputed from x and the statistics; ``act`` None (no activation) picks, when
+compiling, the loops without its code (the overloads ``_plane_sums_act``,
+``_small_store``, ``_small_dx`` and the store drivers).
 
 Arguments are grouped: ``stats = (mean, rstd, var)`` per unit, read (``fixed``) or
 written; ``sums = (sg, sgx)``: (N, C); ``out = (stream, ahead)`` as in ``rows``.
