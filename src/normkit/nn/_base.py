@@ -35,9 +35,9 @@ def fx_leaf(layer, input):
     name = tracer.path_of_module(layer)
     if not name:
         raise TypeError(
-            f"torch.fx cannot trace a normkit {type(layer).__name__} as the root module (it "
-            f"records a norm as one call of the module that holds it, as it does torch.nn's); "
-            f"trace a module that holds it, e.g. torch.fx.symbolic_trace(nn.Sequential(layer))")
+            f"torch.fx cannot trace a normkit {type(layer).__name__} as the root module (each "
+            f"normkit layer is recorded as one call of the module that holds it); trace a "
+            f"module that holds it, e.g. torch.fx.symbolic_trace(nn.Sequential(layer))")
     return tracer.create_proxy("call_module", name, (input,), {})
 
 
