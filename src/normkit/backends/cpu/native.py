@@ -44,9 +44,8 @@ def build(family, x):
     ``x``); the extension must be loaded (``extension()``)."""
     ext = extension()
     g, act = family.grouping, family.activation
-    forward = args.callback(family.forward_entry, family.proto, family.sproto, act is not None)
-    backward = args.callback(family.backward_entry, family.proto, family.sproto,
-                             act is not None)
+    forward, backward = (args.callback(entry, family.proto, family.sproto, act is not None)
+                         for entry in (family.forward_entry, family.backward_entry))
     ones = x.new_ones(family.params, dtype=family.sdtype)
     return ext.Plan(x.new_empty(0), forward.address, backward.address,
                     args.constants(family, family.forward_entry, family.backward_entry),
