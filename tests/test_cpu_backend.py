@@ -80,7 +80,9 @@ def test_cached_kernels_are_dropped_when_a_source_changes(tmp_path):
 
 
 _HASH_RUN = r"""
-import hashlib, torch, normkit.functional as NF
+import hashlib, sys, torch, normkit.functional as NF
+from normkit.backends.cpu import compiling
+compiling.ENABLED = sys.argv[1] == "helper"
 torch.manual_seed(0)
 out = []
 for op, shape in (("layer", (64, 1280)), ("rms", (16, 300)), ("batch", (8, 16, 33, 31)),
@@ -101,7 +103,8 @@ print(" ".join(out))
 
 
 def test_kernels_round_the_same_compiled_or_loaded_from_the_cache(tmp_path):
-    """A process that compiles the kernels and one that loads them from numba's disk cache
+    """A process that compiles the kernels, one that has the compile helper compile its
+    backward entries (``compiling``), and one that loads them all from numba's disk cache
     give the same bits (forward and backward of each family, and of a fused BatchNorm).
     They did not while a helper with a re-associable reduction was compiled on its own as
     well as inlined in a cached caller (``cpu.rows.JIT``; benchmarks/cache_rounding.py)."""
@@ -109,14 +112,51 @@ def test_kernels_round_the_same_compiled_or_loaded_from_the_cache(tmp_path):
     import subprocess
     import sys
 
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    runs = [subprocess.run([sys.executable, "-c", _HASH_RUN], env=env, capture_output=True,
-                           text=True, timeout=600) for _ in range(2)]
-    for r in runs:
+    def run(folder, helper):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / folder))
+        r = subprocess.run([sys.executable, "-c", _HASH_RUN, helper], env=env,
+                           capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
-    compiled, loaded = (r.stdout.split() for r in runs)
-    assert list(tmp_path.rglob("*.nbc")), "the first run cached nothing"
-    assert compiled == loaded
+        return r.stdout.split()
+
+    compiled, aside, loaded = run("a", "off"), run("b", "helper"), run("b", "off")
+    assert list((tmp_path / "a").rglob("*.nbc")), "the first run cached nothing"
+    assert compiled == aside == loaded
+
+
+_ASIDE_RUN = """
+import sys, torch
+from normkit.backends.cpu import compiling, entries, plans
+if sys.argv[1] == "failing":       # a helper that leaves at once: this process compiles all
+    compiling._start = lambda: compiling.subprocess.Popen(
+        [sys.executable, "-c", "pass"], stdin=compiling.subprocess.PIPE,
+        stdout=compiling.subprocess.PIPE, text=True)
+compiling.ENABLED = True
+pair = (entries.channels_fixed, entries.planes_small)
+made = compiling.callbacks(pair, *plans.protos(torch.float64))
+again = compiling.callbacks(pair, *plans.protos(torch.float64))
+helper = compiling._helper
+compiling._close()
+print(*(f.cache_hits for f in made), all(f.address for f in made),
+      all(a is b for a, b in zip(made, again)), helper is None or helper.poll() == 0)
+"""
+
+
+@pytest.mark.parametrize("helper", ["working", "failing"])
+def test_a_plans_entries_compile_side_by_side_on_an_empty_cache(tmp_path, helper):
+    """Of a plan's two cold entries, the first compiles in this process and the second in
+    the compile helper (loaded from numba's cache after: one cache hit); a helper that
+    fails leaves both to this process. The helper exits when its input is closed."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", _ASIDE_RUN, helper], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    hits = "1" if helper == "working" else "0"
+    assert r.stdout.split() == ["0", hits, "True", "True", "True"]
 
 
 _COMPILE_RUN = """

@@ -12,6 +12,7 @@ kernel family runs them; the modules below do the rest:
 ``native``         the C++ ``Plan`` that runs every call (``native.cpp``, compiled at
                    first use)
 ``args``           the kernels' arguments, declared once: one slot per name
+``compiling``      a plan's entries compiled side by side on an empty cache
 ``entries``        the kernels as the C++ executor calls them (named arguments, tensors by
                    address: ``address``)
 ``half``           loads and stores of every storage type (bfloat16/float16 in registers)

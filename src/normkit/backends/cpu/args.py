@@ -37,9 +37,11 @@ import threading
 from typing import NamedTuple
 
 from numba import cfunc, types
+from numba.core.caching import FunctionCache
+from numba.core.registry import cpu_target
 
 __all__ = ["SLOTS", "TENSORS", "PER_CALL", "CONSTANTS", "Work", "callback", "constants",
-           "float_bits", "parameters", "quiet", "NOTICE_AFTER_S"]
+           "float_bits", "parameters", "quiet", "compiled", "cached", "NOTICE_AFTER_S"]
 
 TENSORS = ("x", "y", "w", "b", "mean", "rstd", "var", "g", "dx", "dw", "db", "scratch", "r", "h",
            "gh")
@@ -133,27 +135,45 @@ def callback(entry, proto, sproto, fused=False):
     ``slope`` slots, or without one (None in their place: ``act_stores``), which compiles
     in about half the time, its loops exactly those of no activation. A compilation says
     so on standard error (``NOTICE_AFTER_S``), once per process."""
-    names = parameters(entry)
-    fused = fused and "act" in names
-    key = (entry.__name__, proto.dtype, sproto.dtype, fused)
-    found = _CALLBACKS.get(key)
+    found = _CALLBACKS.get(key(entry, proto, sproto, fused))
     if found is None:
-        reads = ", ".join("None" if name in _ACTIVATION and not fused else f"a[{SLOTS[name]}]"
-                          for name in names)
-        name = entry.__name__ + ("_fused" if fused else "")
-        source = (f"def make(proto, sproto):\n"
-                  f"    def {name}(a, eps):\n"
-                  f"        entry({reads}, eps, proto, sproto)\n"
-                  f"    return {name}\n")
-        # (compiled as this file, and under this module's name: numba's cache needs both)
-        namespace = {"entry": entry, "__name__": __name__}
-        exec(compile(source, __file__, "exec"), namespace)
         timer = threading.Timer(NOTICE_AFTER_S, _notice)
         timer.daemon = True
         timer.start()
         try:
-            found = cfunc(_SIGNATURE, cache=True)(namespace["make"](proto, sproto))
+            found = cfunc(_SIGNATURE, cache=True)(body(entry, proto, sproto, fused))
         finally:
             timer.cancel()
-        _CALLBACKS[key] = found
+        _CALLBACKS[key(entry, proto, sproto, fused)] = found
     return found
+
+
+def compiled(entry, proto, sproto, fused=False) -> bool:
+    """Whether ``callback`` of these arguments is made in this process already."""
+    return key(entry, proto, sproto, fused) in _CALLBACKS
+
+
+def cached(entry, proto, sproto, fused=False) -> bool:
+    """Whether numba's cache holds ``callback`` of these arguments (what it looks up)."""
+    return FunctionCache(body(entry, proto, sproto, fused)).load_overload(
+        _SIGNATURE, cpu_target.target_context) is not None
+
+
+def key(entry, proto, sproto, fused):
+    return entry.__name__, proto.dtype, sproto.dtype, fused and "act" in parameters(entry)
+
+
+def body(entry, proto, sproto, fused):
+    """The Python function ``callback`` compiles: ``entry`` called with one slot each."""
+    fused = key(entry, proto, sproto, fused)[-1]
+    reads = ", ".join("None" if name in _ACTIVATION and not fused else f"a[{SLOTS[name]}]"
+                      for name in parameters(entry))
+    name = entry.__name__ + ("_fused" if fused else "")
+    source = (f"def make(proto, sproto):\n"
+              f"    def {name}(a, eps):\n"
+              f"        entry({reads}, eps, proto, sproto)\n"
+              f"    return {name}\n")
+    # (compiled as this file, and under this module's name: numba's cache needs both)
+    namespace = {"entry": entry, "__name__": __name__}
+    exec(compile(source, __file__, "exec"), namespace)
+    return namespace["make"](proto, sproto)

@@ -30,7 +30,7 @@ import warnings
 from pathlib import Path
 
 from normkit.backends import _parallel
-from normkit.backends.cpu import args
+from normkit.backends.cpu import args, compiling
 
 __all__ = ["build", "extension", "enabled", "switch"]
 
@@ -44,8 +44,8 @@ def build(family, x):
     ``x``); the extension must be loaded (``extension()``)."""
     ext = extension()
     g, act = family.grouping, family.activation
-    forward, backward = (args.callback(entry, family.proto, family.sproto, act is not None)
-                         for entry in (family.forward_entry, family.backward_entry))
+    forward, backward = compiling.callbacks((family.forward_entry, family.backward_entry),
+                                            family.proto, family.sproto, act is not None)
     ones = x.new_ones(family.params, dtype=family.sdtype)
     return ext.Plan(x.new_empty(0), forward.address, backward.address,
                     args.constants(family, family.forward_entry, family.backward_entry),

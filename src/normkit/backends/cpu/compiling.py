@@ -1,0 +1,119 @@
+"""A plan's kernel entries compiled side by side on a new machine.
+
+A plan needs two callbacks, its forward and its backward entry (``args.callback``), and
+on an empty numba cache each takes 4-10 s to compile, nearly all of it in numba's
+single-threaded front end. ``callbacks`` compiles the first in this process and hands
+the others to a helper process, which compiles them into numba's cache at the same
+time; this process then loads them from there, in milliseconds. So the first call of a
+plan waits for its slowest entry rather than for the sum.
+
+The helper is one ``python -c`` process of this interpreter, package and cache folder,
+not a ``multiprocessing`` child: those are spawned by importing the user's main script
+again. It is started at the first need and kept while compilations come, so that only
+the first pays its start (about 1.5 s) and numba's own warm-up (about 4 s), both while
+this process compiles; ``IDLE_S`` after its last task its input is closed and it leaves.
+With one core, or where the helper cannot start or fails, this process compiles the
+entry itself, as it did before the helper: slower, the same callback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numba
+import numpy as np
+
+from normkit.backends.cpu import args, entries
+
+__all__ = ["callbacks", "ENABLED", "IDLE_S"]
+
+#: whether the helper is used (more than one core); False: every entry compiles here
+ENABLED = (os.cpu_count() or 1) > 1
+#: seconds without a task after which the helper's input is closed (it then exits)
+IDLE_S = 30.0
+
+_lock = threading.Lock()      # one caller at a time talks to the helper
+_helper = None                # the running helper (subprocess.Popen), or None
+_idle = None                  # the timer that closes it
+
+
+def callbacks(names, proto, sproto, fused=False) -> tuple:
+    """``args.callback(entry, proto, sproto, fused)`` of each entry in ``names``; those in
+    neither this process nor numba's cache, past the first, compiled by the helper while
+    this process compiles the first."""
+    cold = [e for e in names if not args.compiled(e, proto, sproto, fused)
+            and not args.cached(e, proto, sproto, fused)]
+    if len(cold) > 1 and ENABLED:
+        with _lock:
+            helper = _ask(cold[1:], proto, sproto, fused)
+            try:
+                args.callback(cold[0], proto, sproto, fused)
+            finally:
+                for _ in cold[1:]:              # one line per entry; none: the helper died
+                    if helper is not None and not helper.stdout.readline():
+                        break
+                _close_later()
+    return tuple(args.callback(e, proto, sproto, fused) for e in names)
+
+
+def _ask(cold, proto, sproto, fused):
+    """The helper (started if none runs) with one task per entry of ``cold`` written to
+    it; None where it cannot start or take them."""
+    global _helper
+    if _idle is not None:
+        _idle.cancel()
+    tasks = "".join(f"{e.__name__} {proto.dtype.str} {sproto.dtype.str} {int(fused)}\n"
+                    for e in cold)
+    for _ in range(2):                          # a helper that left just now: start anew
+        try:
+            if _helper is None or _helper.poll() is not None:
+                _helper = _start()
+            _helper.stdin.write(tasks)
+            _helper.stdin.flush()
+            return _helper
+        except OSError:                         # (BrokenPipeError among them)
+            _helper = None
+    return None
+
+
+def _start():
+    package = str(Path(__file__).resolve().parents[3])       # the folder holding normkit/
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, (package, os.environ.get("PYTHONPATH")))))
+    if numba.config.CACHE_DIR:
+        env["NUMBA_CACHE_DIR"] = numba.config.CACHE_DIR
+    return subprocess.Popen(
+        [sys.executable, "-c", "from normkit.backends.cpu import compiling; compiling.serve()"],
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True, bufsize=1)
+
+
+def _close_later() -> None:
+    global _idle
+    _idle = threading.Timer(IDLE_S, _close)
+    _idle.daemon = True
+    _idle.start()
+
+
+def _close() -> None:
+    global _helper
+    with _lock:
+        helper, _helper = _helper, None
+    if helper is not None:
+        helper.stdin.close()                    # the helper reads to the end and exits
+        helper.wait()
+
+
+def serve() -> None:
+    """The helper: compile each task read from standard input into numba's cache and
+    answer with its entry's name, until the input ends."""
+    args.quiet()
+    for line in sys.stdin:
+        name, storage, stats, fused = line.split()
+        args.callback(getattr(entries, name), np.empty(0, storage), np.empty(0, stats),
+                      fused == "1")
+        print(name, flush=True)
