@@ -1,8 +1,10 @@
 """What a fresh install's first training step costs: a small converted CNN (two residual
 blocks, BatchNorm2d, ReLU, LayerNorm; batch 8, 32 px, float32), its first and second
-training steps timed in a new process whose numba cache is empty, then the same after
-``python -m normkit.backends.cpu`` compiled the kernels ahead into that cache. The C++
-executor is taken as built (``make setup``). docs/performance.md ("First call") quotes it.
+training steps timed in a new process with nothing built (an empty extension folder and
+numba cache: the C++ executor builds while the first call's kernels compile), then with
+the executor built (``make setup``) and an empty numba cache, then after ``python -m
+normkit.backends.cpu`` compiled the kernels ahead into that cache. docs/performance.md
+("First call") quotes it.
 
     PYTHONPATH=src python benchmarks/bench_first_call.py
 """
@@ -44,9 +46,13 @@ for step in ("first", "second"):
 
 
 def main() -> None:
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as built:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache, TORCH_EXTENSIONS_DIR=built)
+        print("nothing built (executor and kernels):", flush=True)
+        subprocess.run([sys.executable, "-c", _STEP], env=env, check=True)
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache)
-        print("empty kernel cache:")
+        print("executor built, empty kernel cache:", flush=True)
         subprocess.run([sys.executable, "-c", _STEP], env=env, check=True)
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache)

@@ -79,6 +79,22 @@ def test_cached_kernels_are_dropped_when_a_source_changes(tmp_path):
     assert _cache.drop_stale(cache, changed) == 0
 
 
+def test_the_modules_whose_edits_keep_the_cache_define_no_kernel():
+    """``_cache.NOT_KERNELS``, the modules whose edits keep the compiled kernels, define no
+    jitted code and generate none (``args`` generates the callbacks: numba keys them to
+    its own stamp)."""
+    import re
+    from pathlib import Path
+
+    from normkit.backends.cpu import _cache
+
+    here = Path(_cache.__file__).parent
+    for name in _cache.NOT_KERNELS:
+        text = (here / name).read_text()
+        assert not re.search(r"@\s*(numba\.)?(njit|jit|cfunc|overload\w*|intrinsic|vectorize)"
+                             r"|\b(njit|jit|cfunc)\s*\(", text), name
+
+
 _HASH_RUN = r"""
 import hashlib, sys, torch, normkit.functional as NF
 from normkit.backends.cpu import compiling
@@ -331,3 +347,70 @@ def test_channels_last_per_sample_norms_keep_the_mean_far_from_zero(op, shape, p
                         torch.nn.functional.instance_norm(x.double(), weight=w.double(),
                                                           bias=b.double()))
         assert _rounding_units(y, exact).max() <= 5.0
+
+
+def test_the_first_calls_kernels_compile_while_the_executor_builds(monkeypatch):
+    """On a machine where the executor must be built, ``native._load`` builds it in a
+    thread while the caller does what it needs next (``meanwhile``: the first call's
+    kernels); an error there comes out after the build ended. Already built: loaded in
+    the calling thread, nothing done meanwhile."""
+    import threading
+
+    from normkit.backends.cpu import native
+
+    started, finish, events = threading.Event(), threading.Event(), []
+
+    def build(cpp_extension, sources):
+        events.append(("build", threading.current_thread() is threading.main_thread()))
+        started.set()
+        assert finish.wait(10), "the work meant for meanwhile did not run during the build"
+        events.append("built")
+        return "extension"
+
+    def meanwhile():
+        assert started.wait(10)
+        events.append("meanwhile")
+        finish.set()
+
+    def failing():
+        meanwhile()
+        raise ValueError("a kernel failed")
+
+    monkeypatch.setattr(native, "_build", build)
+    monkeypatch.setattr(native, "_say_if_building", lambda *a: True)
+    assert native._load(meanwhile) == "extension"
+    assert events == [("build", False), "meanwhile", "built"]
+    events.clear(), started.clear(), finish.clear()
+    with pytest.raises(ValueError, match="a kernel failed"):
+        native._load(failing)
+    assert events == [("build", False), "meanwhile", "built"]
+    events.clear(), finish.set()
+    monkeypatch.setattr(native, "_say_if_building", lambda *a: False)
+    assert native._load(failing) == "extension"
+    assert events == [("build", True), "built"]
+
+
+@pytest.mark.parametrize("kind", ["layer", "batch", "group_channels_last"])
+def test_the_first_call_hands_the_build_its_own_kernels(monkeypatch, kind):
+    """``supports``, the first to need the executor, gives its build the plan family of
+    the call to compile meanwhile: the family ``plan`` then builds."""
+    from normkit import grouping as G
+    from normkit.backends import cpu
+    from normkit.backends.cpu import compiling, native
+
+    ext = native.extension()
+    monkeypatch.setattr(native, "_extension", None)
+    monkeypatch.setattr(native, "_load", lambda meanwhile=None: (meanwhile(), ext)[1])
+    seen = []
+    monkeypatch.setattr(compiling, "plan_callbacks",
+                        lambda family: seen.append((type(family).__name__,
+                                                    family.forward_entry.__name__)))
+    x, g = {"layer": lambda: (torch.randn(6, 40), G.layer((6, 40), 1)),
+            "batch": lambda: (torch.randn(4, 8, 5, 5), G.batch((4, 8, 5, 5))),
+            "group_channels_last": lambda: (
+                torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last),
+                G.group((2, 8, 5, 5), 2))}[kind]()
+    xv = x.view(g.view) if x.is_contiguous() else x
+    assert cpu.supports(xv, g)
+    family = cpu.FAMILIES[cpu.layout(xv.view(g.view), g)](xv, g, True, False)
+    assert seen == [(type(family).__name__, family.forward_entry.__name__)]

@@ -46,7 +46,7 @@ from normkit.grouping import view_strides
 
 _cache.check_package_cache()    # before any kernel is loaded from the cache
 
-from normkit.backends.cpu import native  # noqa: E402
+from normkit.backends.cpu import compiling, native  # noqa: E402
 from normkit.backends.cpu.plans import FAMILIES  # noqa: E402
 
 __all__ = ["add_one_pass", "backward", "forward", "plan", "supports", "supports_activation",
@@ -73,10 +73,13 @@ def layout(xv, grouping):
 def supports(x, grouping, center=True, fixed=False) -> bool:
     if (x.device.type != "cpu" or x.dtype not in _DTYPES
             or not fused_kernels_cover(x, grouping, center, fixed)
-            or view_strides(x.shape, x.stride(), grouping.view) is None
-            or native.extension() is None):
+            or view_strides(x.shape, x.stride(), grouping.view) is None):
         return False
-    return layout(x.view(grouping.view), grouping) is not None
+    family = layout(x.view(grouping.view), grouping)
+    # (on a new machine, this call's kernels compile while the executor builds)
+    return family is not None and native.extension(
+        lambda: compiling.plan_callbacks(FAMILIES[family](x, grouping, center, fixed))
+    ) is not None
 
 
 def supports_activation(x, grouping, act) -> bool:

@@ -18,7 +18,8 @@ STAMP = "normkit-kernel-sources.sha1"
 
 #: the package's modules with no jitted code (dispatch and bookkeeping): editing them
 #: keeps the compiled kernels
-NOT_KERNELS = frozenset({"__init__.py", "plans.py", "_cache.py"})
+NOT_KERNELS = frozenset({"__init__.py", "__main__.py", "plans.py", "native.py",
+                         "compiling.py", "_cache.py"})
 
 
 def sources_digest(paths) -> str:

@@ -29,7 +29,7 @@ import numpy as np
 
 from normkit.backends.cpu import args, entries
 
-__all__ = ["callbacks", "ENABLED", "IDLE_S"]
+__all__ = ["callbacks", "plan_callbacks", "ENABLED", "IDLE_S"]
 
 #: whether the helper is used (more than one core); False: every entry compiles here
 ENABLED = (os.cpu_count() or 1) > 1
@@ -39,6 +39,12 @@ IDLE_S = 30.0
 _lock = threading.Lock()      # one caller at a time talks to the helper
 _helper = None                # the running helper (subprocess.Popen), or None
 _idle = None                  # the timer that closes it
+
+
+def plan_callbacks(family) -> tuple:
+    """The forward and the backward callback of a plan of ``family`` (``plans``)."""
+    return callbacks((family.forward_entry, family.backward_entry), family.proto,
+                     family.sproto, family.activation is not None)
 
 
 def callbacks(names, proto, sproto, fused=False) -> tuple:
@@ -81,15 +87,17 @@ def _ask(cold, proto, sproto, fused):
 
 
 def _start():
-    package = str(Path(__file__).resolve().parents[3])       # the folder holding normkit/
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, (package, os.environ.get("PYTHONPATH")))))
+    # the folder holding this normkit, last on the path (where this process found it by
+    # other means: its sys.path, not the environment's), and this process's cache folder
+    package = str(Path(__file__).resolve().parents[3])
+    env = dict(os.environ)
     if numba.config.CACHE_DIR:
         env["NUMBA_CACHE_DIR"] = numba.config.CACHE_DIR
-    return subprocess.Popen(
-        [sys.executable, "-c", "from normkit.backends.cpu import compiling; compiling.serve()"],
-        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        text=True, bufsize=1)
+    code = (f"import sys; sys.path.append({package!r}); "
+            f"from normkit.backends.cpu import compiling; compiling.serve()")
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            bufsize=1)
 
 
 def _close_later() -> None:

@@ -14,9 +14,9 @@ same behind a ``torch::autograd::Function``, whose backward is differentiated th
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is
 needed on a machine (a C++ compiler and ninja, about 20-40 s, announced on standard
-error; cached in torch's extension folder, ``TORCH_EXTENSIONS_DIR``, and loaded in
-milliseconds after); ``python -m normkit.backends.cpu`` compiles it ahead of time (``make
-setup`` does). Without a compiler, or with ``NORMKIT_NATIVE=0``, there is no CPU
+error, while the first call's kernels compile; cached in torch's extension folder,
+``TORCH_EXTENSIONS_DIR``, and loaded in milliseconds after); ``python -m
+normkit.backends.cpu`` compiles it ahead of time (``make setup`` does). Without a compiler, or with ``NORMKIT_NATIVE=0``, there is no CPU
 executor: every CPU call takes the composite torch path (``normkit.backends.torch_ops``:
 correct, slower), with one warning that says so.
 """
@@ -27,6 +27,7 @@ import contextlib
 import os
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from normkit.backends import _parallel
@@ -44,8 +45,7 @@ def build(family, x):
     ``x``); the extension must be loaded (``extension()``)."""
     ext = extension()
     g, act = family.grouping, family.activation
-    forward, backward = compiling.callbacks((family.forward_entry, family.backward_entry),
-                                            family.proto, family.sproto, act is not None)
+    forward, backward = compiling.plan_callbacks(family)
     ones = x.new_ones(family.params, dtype=family.sdtype)
     return ext.Plan(x.new_empty(0), forward.address, backward.address,
                     args.constants(family, family.forward_entry, family.backward_entry),
@@ -67,12 +67,14 @@ def enabled() -> bool:
 _extension = None          # the loaded module; False: unavailable or switched off
 
 
-def extension():
-    """The compiled C++ extension (built on first use), or None."""
+def extension(meanwhile=None):
+    """The compiled C++ extension (built on first use), or None. ``meanwhile``: work that
+    the caller needs next, done while the extension builds (a build runs in a compiler
+    process, leaving this one free: the first call compiles its kernels then)."""
     global _extension
     if _extension is None:
         if enabled():
-            _extension = _load()
+            _extension = _load(meanwhile)
         else:
             _extension = False
             warnings.warn("NORMKIT_NATIVE=0: normkit's C++ executor is switched off, and "
@@ -92,12 +94,29 @@ def switch(on: bool) -> None:
     dispatch.clear_plans()
 
 
-def _load():
+def _load(meanwhile=None):
+    """The extension, loaded or built; False (with a warning) where it cannot be. A build
+    runs in a thread (its compiler in other processes) while this one does ``meanwhile``."""
+    from torch.utils import cpp_extension
+
     sources = [Path(__file__).with_name(name) for name in SOURCES]
     try:
-        from torch.utils import cpp_extension
+        building = _say_if_building(cpp_extension, sources)
+    except OSError:            # (no extension folder: the build meets it too, and says so)
+        building = False
+    if meanwhile is None or not building:
+        return _build(cpp_extension, sources)
+    with ThreadPoolExecutor(1) as pool:
+        built = pool.submit(_build, cpp_extension, sources)
+        try:
+            meanwhile()
+        finally:
+            ext = built.result()
+    return ext
 
-        _say_if_building(cpp_extension, sources)
+
+def _build(cpp_extension, sources):
+    try:
         with _ninja_on_path():
             ext = cpp_extension.load(name="normkit_native", sources=[str(s) for s in sources],
                                      extra_cflags=["-O2"])
@@ -115,17 +134,18 @@ def _load():
         return False
 
 
-def _say_if_building(cpp_extension, sources) -> None:
-    """One line on standard error before a build (none built for these sources yet): what,
-    how long, and how to do it ahead of time."""
+def _say_if_building(cpp_extension, sources) -> bool:
+    """Whether a build comes (none built for these sources yet), said in one line on
+    standard error: what, how long, and how to do it ahead of time."""
     folder = Path(cpp_extension._get_build_directory("normkit_native", False))
     newer = max(source.stat().st_mtime for source in sources)
     ninja = folder / "build.ninja"
     if (ninja.exists() and all(str(source) in ninja.read_text() for source in sources)
             and any(p.stat().st_mtime >= newer for p in folder.glob("normkit_native*.so"))):
-        return
+        return False
     print("normkit: compiling its C++ executor once for this machine (about 20-40 s); "
           "`python -m normkit.backends.cpu` does it ahead of time", file=sys.stderr, flush=True)
+    return True
 
 
 @contextlib.contextmanager
