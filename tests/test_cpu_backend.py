@@ -414,3 +414,29 @@ def test_the_first_call_hands_the_build_its_own_kernels(monkeypatch, kind):
     assert cpu.supports(xv, g)
     family = cpu.FAMILIES[cpu.layout(xv.view(g.view), g)](xv, g, True, False)
     assert seen == [(type(family).__name__, family.forward_entry.__name__)]
+
+
+def test_a_forked_child_leaves_the_parents_compile_helper_alone():
+    """A child forked while the compile helper runs (a DataLoader worker, say) closes its
+    copies of the helper's pipes and would start its own: the helper still leaves when
+    the parent closes its input, and the child's tasks never reach the parent's."""
+    import os
+    import subprocess
+    import sys
+
+    from normkit.backends.cpu import compiling
+
+    fake = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    saved = compiling._helper
+    compiling._helper = fake
+    try:
+        pid = os.fork()
+        if pid == 0:                                    # the child: no helper, pipes closed
+            os._exit(0 if compiling._helper is None and fake.stdin.closed else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        compiling._close()                              # the parent's close ends the helper
+        assert fake.wait(timeout=30) == 0
+    finally:
+        compiling._helper = saved

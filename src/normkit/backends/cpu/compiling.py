@@ -87,8 +87,8 @@ def _ask(cold, proto, sproto, fused):
 
 
 def _start():
-    # the folder holding this normkit, last on the path (where this process found it by
-    # other means: its sys.path, not the environment's), and this process's cache folder
+    # this process's numba cache folder, and the folder it found normkit in, appended to
+    # the helper's path (the folder may be on this process's sys.path alone)
     package = str(Path(__file__).resolve().parents[3])
     env = dict(os.environ)
     if numba.config.CACHE_DIR:
@@ -114,6 +114,19 @@ def _close() -> None:
     if helper is not None:
         helper.stdin.close()                    # the helper reads to the end and exits
         helper.wait()
+
+
+def _forget_in_child() -> None:
+    """A forked child has no helper of its own: it drops its copies of the parent's pipes
+    (so that the helper still leaves when the parent closes them) and starts its own."""
+    global _helper, _idle, _lock
+    helper, _helper, _idle, _lock = _helper, None, None, threading.Lock()
+    if helper is not None:
+        helper.stdin.close()
+        helper.stdout.close()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def serve() -> None:
