@@ -416,6 +416,7 @@ def test_the_first_call_hands_the_build_its_own_kernels(monkeypatch, kind):
     assert seen == [(type(family).__name__, family.forward_entry.__name__)]
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
 def test_a_forked_child_leaves_the_parents_compile_helper_alone():
     """A child forked while the compile helper runs (a DataLoader worker, say) closes its
     copies of the helper's pipes and would start its own: the helper still leaves when

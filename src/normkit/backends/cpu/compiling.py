@@ -12,8 +12,8 @@ not a ``multiprocessing`` child: those are spawned by importing the user's main 
 again. It is started at the first need and kept while compilations come, so that only
 the first pays its start (about 1.5 s) and numba's own warm-up (about 4 s), both while
 this process compiles; ``IDLE_S`` after its last task its input is closed and it leaves.
-With one core, or where the helper cannot start or fails, this process compiles the
-entry itself, as it did before the helper: slower, the same callback.
+With one core (or ``ENABLED = False``), or where the helper cannot start or fails, this
+process compiles the entry itself, as it did before the helper: slower, the same callback.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ def _forget_in_child() -> None:
         helper.stdout.close()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+if hasattr(os, "register_at_fork"):          # (POSIX; Windows does not fork)
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def serve() -> None:
