@@ -135,37 +135,38 @@ def callback(entry, proto, sproto, fused=False):
     ``slope`` slots, or without one (None in their place: ``act_stores``), which compiles
     in about half the time, its loops exactly those of no activation. A compilation says
     so on standard error (``NOTICE_AFTER_S``), once per process."""
-    found = _CALLBACKS.get(key(entry, proto, sproto, fused))
+    key = _key(entry, proto, sproto, fused)
+    found = _CALLBACKS.get(key)
     if found is None:
         timer = threading.Timer(NOTICE_AFTER_S, _notice)
         timer.daemon = True
         timer.start()
         try:
-            found = cfunc(_SIGNATURE, cache=True)(body(entry, proto, sproto, fused))
+            found = cfunc(_SIGNATURE, cache=True)(_body(entry, proto, sproto, fused))
         finally:
             timer.cancel()
-        _CALLBACKS[key(entry, proto, sproto, fused)] = found
+        _CALLBACKS[key] = found
     return found
 
 
 def compiled(entry, proto, sproto, fused=False) -> bool:
     """Whether ``callback`` of these arguments is made in this process already."""
-    return key(entry, proto, sproto, fused) in _CALLBACKS
+    return _key(entry, proto, sproto, fused) in _CALLBACKS
 
 
 def cached(entry, proto, sproto, fused=False) -> bool:
     """Whether numba's cache holds ``callback`` of these arguments (what it looks up)."""
-    return FunctionCache(body(entry, proto, sproto, fused)).load_overload(
+    return FunctionCache(_body(entry, proto, sproto, fused)).load_overload(
         _SIGNATURE, cpu_target.target_context) is not None
 
 
-def key(entry, proto, sproto, fused):
+def _key(entry, proto, sproto, fused):
     return entry.__name__, proto.dtype, sproto.dtype, fused and "act" in parameters(entry)
 
 
-def body(entry, proto, sproto, fused):
+def _body(entry, proto, sproto, fused):
     """The Python function ``callback`` compiles: ``entry`` called with one slot each."""
-    fused = key(entry, proto, sproto, fused)[-1]
+    fused = _key(entry, proto, sproto, fused)[-1]
     reads = ", ".join("None" if name in _ACTIVATION and not fused else f"a[{SLOTS[name]}]"
                       for name in parameters(entry))
     name = entry.__name__ + ("_fused" if fused else "")
