@@ -37,8 +37,6 @@ import threading
 from typing import NamedTuple
 
 from numba import cfunc, types
-from numba.core.caching import FunctionCache
-from numba.core.registry import cpu_target
 
 __all__ = ["SLOTS", "TENSORS", "PER_CALL", "CONSTANTS", "Work", "callback", "constants",
            "float_bits", "parameters", "quiet", "compiled", "cached", "NOTICE_AFTER_S"]
@@ -155,7 +153,14 @@ def compiled(entry, proto, sproto, fused=False) -> bool:
 
 
 def cached(entry, proto, sproto, fused=False) -> bool:
-    """Whether numba's cache holds ``callback`` of these arguments (what it looks up)."""
+    """Whether numba's cache holds ``callback`` of these arguments (what it looks up);
+    True where this numba's modules lack that lookup (nothing is then compiled aside:
+    ``compiling``)."""
+    try:
+        from numba.core.caching import FunctionCache
+        from numba.core.registry import cpu_target
+    except ImportError:
+        return True
     return FunctionCache(_body(entry, proto, sproto, fused)).load_overload(
         _SIGNATURE, cpu_target.target_context) is not None
 
