@@ -138,4 +138,5 @@ def serve() -> None:
         name, storage, stats, fused = line.split()
         args.callback(getattr(entries, name), np.empty(0, storage), np.empty(0, stats),
                       fused == "1")
-        print(name, flush=True)
+        sys.stdout.write(name + "\n")
+        sys.stdout.flush()
