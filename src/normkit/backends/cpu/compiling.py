@@ -31,8 +31,9 @@ from normkit.backends.cpu import args, entries
 
 __all__ = ["callbacks", "plan_callbacks", "ENABLED", "IDLE_S"]
 
-#: whether the helper is used (more than one core); False: every entry compiles here
-ENABLED = (os.cpu_count() or 1) > 1
+#: whether the helper is used: more than one core, and ``sys.executable`` a Python (not a
+#: frozen application's binary); False: every entry compiles here
+ENABLED = (os.cpu_count() or 1) > 1 and not getattr(sys, "frozen", False)
 #: seconds without a task after which the helper's input is closed (it then exits)
 IDLE_S = 30.0
 
