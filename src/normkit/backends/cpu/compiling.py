@@ -1,8 +1,7 @@
 """A plan's kernel entries compiled side by side on a new machine.
 
 A plan needs two callbacks, its forward and its backward entry (``args.callback``), and
-on an empty numba cache each takes 4-10 s to compile, nearly all of it in numba's
-single-threaded front end. ``callbacks`` compiles the first in this process and hands
+on an empty numba cache each takes 4-10 s to compile, on one thread. ``callbacks`` compiles the first in this process and hands
 the others to a helper process, which compiles them into numba's cache at the same
 time; this process then loads them from there, in milliseconds. So the first call of a
 plan waits for its slowest entry rather than for the sum.
@@ -48,11 +47,11 @@ def plan_callbacks(family) -> tuple:
                      family.sproto, family.activation is not None)
 
 
-def callbacks(names, proto, sproto, fused=False) -> tuple:
-    """``args.callback(entry, proto, sproto, fused)`` of each entry in ``names``; those in
+def callbacks(kernels, proto, sproto, fused=False) -> tuple:
+    """``args.callback(entry, proto, sproto, fused)`` of each entry in ``kernels``; those in
     neither this process nor numba's cache, past the first, compiled by the helper while
     this process compiles the first."""
-    cold = [e for e in names if not args.compiled(e, proto, sproto, fused)
+    cold = [e for e in kernels if not args.compiled(e, proto, sproto, fused)
             and not args.cached(e, proto, sproto, fused)]
     if len(cold) > 1 and ENABLED:
         with _lock:
@@ -64,7 +63,7 @@ def callbacks(names, proto, sproto, fused=False) -> tuple:
                     if helper is not None and not helper.stdout.readline():
                         break
                 _close_later()
-    return tuple(args.callback(e, proto, sproto, fused) for e in names)
+    return tuple(args.callback(e, proto, sproto, fused) for e in kernels)
 
 
 def _ask(cold, proto, sproto, fused):
