@@ -1,9 +1,9 @@
 """A plan's kernel entries compiled side by side on a new machine.
 
 A plan needs two callbacks, its forward and its backward entry (``args.callback``), and
-on an empty numba cache each takes 4-10 s to compile, on one thread. ``callbacks`` compiles the first in this process and hands
-the others to a helper process, which compiles them into numba's cache at the same
-time; this process then loads them from there, in milliseconds. So the first call of a
+on an empty numba cache each takes 4-10 s to compile, on one thread. ``callbacks``
+compiles the first in this process and hands the others to a helper process, which
+compiles them into numba's cache at the same time; this process then loads them from there, in milliseconds. So the first call of a
 plan waits for its slowest entry rather than for the sum.
 
 The helper is one ``python -c`` process of this interpreter, package and cache folder,
@@ -52,9 +52,11 @@ def callbacks(kernels, proto, sproto, fused=False) -> tuple:
     """``args.callback(entry, proto, sproto, fused)`` of each entry in ``kernels``; those in
     neither this process nor numba's cache, past the first, compiled by the helper while
     this process compiles the first."""
-    cold = [e for e in kernels if not args.compiled(e, proto, sproto, fused)
-            and not args.cached(e, proto, sproto, fused)]
-    if len(cold) > 1 and ENABLED:
+    fresh = [e for e in kernels if not args.compiled(e, proto, sproto, fused)]
+    # (numba's cache probed only where a helper could take something)
+    cold = ([e for e in fresh if not args.cached(e, proto, sproto, fused)]
+            if ENABLED and len(fresh) > 1 else [])
+    if len(cold) > 1:
         with _lock:
             helper = _ask(cold[1:], proto, sproto, fused)
             try:
