@@ -3,8 +3,9 @@
 A plan needs two callbacks, its forward and its backward entry (``args.callback``), and
 on an empty numba cache each takes 4-10 s to compile, on one thread. ``callbacks``
 compiles the first in this process and hands the others to a helper process, which
-compiles them into numba's cache at the same time; this process then loads them from there, in milliseconds. So the first call of a
-plan waits for its slowest entry rather than for the sum.
+compiles them into numba's cache at the same time; this process then loads them from
+there, in milliseconds. So the first call of a plan waits for its slowest entry rather
+than for the sum.
 
 The helper is one ``python -c`` process of this interpreter, package and cache folder,
 not a ``multiprocessing`` child: those are spawned by importing the user's main script

@@ -16,9 +16,10 @@ The extension is compiled with ``torch.utils.cpp_extension.load`` the first time
 needed on a machine (a C++ compiler and ninja, about 20-40 s, announced on standard
 error, while the first call's kernels compile; cached in torch's extension folder,
 ``TORCH_EXTENSIONS_DIR``, and loaded in milliseconds after); ``python -m
-normkit.backends.cpu`` compiles it ahead of time (``make setup`` does). Without a compiler, or with ``NORMKIT_NATIVE=0``, there is no CPU
-executor: every CPU call takes the composite torch path (``normkit.backends.torch_ops``:
-correct, slower), with one warning that says so.
+normkit.backends.cpu`` compiles it ahead of time (``make setup`` does). Without a
+compiler, or with ``NORMKIT_NATIVE=0``, there is no CPU executor: every CPU call takes the
+composite torch path (``normkit.backends.torch_ops``: correct, slower), with one warning
+that says so.
 """
 
 from __future__ import annotations
