@@ -150,6 +150,36 @@ def test_instance_norm_running_stats(use_input_stats):
         assert_close(a, e, torch.float64)
 
 
+def test_instance_norm_of_rows_with_given_statistics_as_torch():
+    # (N, C) has no spatial dim: torch normalizes it with the running statistics and
+    # refuses it with input statistics; so does normkit
+    x = _make((4, 3), torch.float64)
+    rm, rv = torch.randn(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64) + 0.5
+    w, b = _params(3, torch.float64, True, True)
+    _check(lambda x, *p: NF.instance_norm(x, rm, rv, *p, use_input_stats=False),
+           lambda x, *p: TF.instance_norm(x, rm, rv, *p, use_input_stats=False), x, [w, b],
+           torch.float64)
+    for f in (NF, TF):
+        with pytest.raises(ValueError):
+            f.instance_norm(x, rm, rv, use_input_stats=True)
+        with pytest.raises((ValueError, IndexError)):
+            f.instance_norm(x[0], rm, rv, use_input_stats=False)
+
+
+def test_output_layouts_where_they_differ():
+    # docs/architecture.md, "Where normkit differs from torch on purpose": same values
+    rows = _make((2, 7, 6), torch.float32).transpose(1, 2)          # (N, C, L), C adjacent
+    cl = _make((2, 6, 3, 5), torch.float32).to(memory_format=torch.channels_last)
+    cases = [(lambda F, x: F.batch_norm(x, None, None, training=True), rows, rows.stride()),
+             (lambda F, x: F.group_norm(x, 2), rows, rows.stride()),
+             (lambda F, x: F.instance_norm(x), cl, cl.stride()),
+             (lambda F, x: F.rms_norm(x, [5]), cl, (90, 15, 5, 1))]
+    for op, x, strides in cases:
+        ours, theirs = op(NF, x), op(TF, x)
+        assert ours.stride() == strides
+        assert_close(ours, theirs, torch.float32)
+
+
 # --- gradcheck / gradgradcheck in float64 for every functional op ----------------------
 
 def _gc_cases():

@@ -218,6 +218,13 @@ def test_error_messages_say_what_and_how():
         nknn.LayerNorm(5)(torch.randn(3, 4))
     with pytest.raises(ValueError, match="expected 4D input \\(got 2D"):
         nknn.BatchNorm2d(3)(torch.randn(2, 3))
+    for train in (True, False):          # (a training call keeps a plan: it is not asked)
+        with pytest.raises(RuntimeError, match="running_mean should contain 5 elements not 4"):
+            nknn.BatchNorm2d(4).train(train)(torch.randn(2, 5, 3, 3))
+    # nothing per channel: like torch, any channel count
+    x = torch.randn(2, 5, 3, 3)
+    torch.testing.assert_close(nknn.BatchNorm2d(4, affine=False, track_running_stats=False)(x),
+                               tnn.BatchNorm2d(4, affine=False, track_running_stats=False)(x))
 
 
 @pytest.mark.parametrize("make", [lambda e: nknn.BatchNorm2d(3, eps=e),

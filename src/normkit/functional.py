@@ -233,10 +233,10 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     over the batch of the per-instance mean and unbiased variance; without it they
     normalize every instance.
     """
-    if input.dim() < 3:
+    if input.dim() < 3 and (use_input_stats or input.dim() < 2):
         raise ValueError(f"instance_norm expects an input of shape (N, C, *S) with at least "
-                         f"one spatial dim, got {input.dim()}D input of size "
-                         f"{_size(input.shape)}")
+                         f"one spatial dim (or (N, C) with use_input_stats=False, as torch), "
+                         f"got {input.dim()}D input of size {_size(input.shape)}")
     c = _check_channels("instance_norm", input, running_mean=running_mean,
                         running_var=running_var, weight=weight, bias=bias)
     grouping = _instance(input.shape)

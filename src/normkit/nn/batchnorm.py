@@ -73,8 +73,9 @@ class _BatchNorm(KeptPlan, NormBase):
     def _build(self, x, fixed):
         """``(plan, unbias)`` of the plan for ``x`` (``KeptPlan._kept``; the plan None: the
         full path runs), or None for an input the full path must see (another dimension
-        count)."""
-        if x.dim() not in self._accepted_dims:
+        count or channel count: it raises torch's error, or runs where nothing is per
+        channel)."""
+        if x.dim() not in self._accepted_dims or x.shape[1] != self.num_features:
             return None
         grouping = G.batch(x.shape)
         n = grouping.group_size

@@ -167,8 +167,9 @@ struct Plan : torch::CustomClassHolder {
   Tensor param(const Tensor& p, const Tensor& fallback) const {
     if (!p.defined()) return fallback;
     TORCH_CHECK(p.numel() == ones.numel() && p.device().is_cpu(),
-                "normkit native plan: a weight or bias of ", ones.numel(), " elements on the "
-                "CPU, got sizes ", p.sizes(), " on ", p.device());
+                "normkit native plan: expected a weight or bias of ", ones.numel(),
+                " elements on the CPU, as the plan's input has, got sizes ", p.sizes(), " on ",
+                p.device(), "; give parameters that match the input");
     if (p.scalar_type() != sdtype() || !p.is_contiguous())
       return p.detach().to(sdtype()).contiguous();
     return p;
