@@ -139,6 +139,10 @@ def test_sample_weight_matches_sklearn(backend, dtype):
     for sl in (slice(0, 40), slice(40, 91)):
         part.partial_fit(X[sl], sample_weight=w[sl])
     np.testing.assert_allclose(part.var_, ref.var_, rtol=1e-5 if dtype == np.float32 else 1e-10)
+    # neither centering nor scaling: still the weights' sum (docs/scalers.md), which
+    # scikit-learn gives with centering; without it, it counts samples
+    bare = StandardScaler(with_mean=False, with_std=False).fit(X, sample_weight=w)
+    np.testing.assert_allclose(bare.n_samples_seen_, ref.n_samples_seen_, rtol=1e-5)
 
 
 def test_fit_transform_and_twins_match_sklearn(backend):
