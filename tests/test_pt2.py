@@ -114,6 +114,31 @@ def test_compile_dynamic_batch_does_not_recompile():
     assert counter.frame_count == first  # batches 3, 5, 6: no recompilation
 
 
+def test_inductor_with_symbolic_image_sizes():
+    # dynamic=True makes the image's height and width symbolic. A norm between two
+    # convolutions whose output was a reshape of its (N, C, H * W) view could not be
+    # compiled (inductor: "cannot determine truth value of Relational"); the composite
+    # now writes y from x in its own shape (torch_ops.forward, own_shape)
+    import normkit.nn as nknn
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    conv = lambda i, o: torch.nn.Conv2d(i, o, 3, padding=1)  # noqa: E731
+    model = torch.nn.Sequential(conv(3, 8), nknn.BatchNorm2d(8, activation="relu"), conv(8, 8),
+                                nknn.GroupNorm(2, 8), conv(8, 8),
+                                nknn.InstanceNorm2d(8, affine=True), conv(8, 2))
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for train in (True, False):
+        model.train(train)
+        for shape in ((2, 3, 6, 6), (3, 3, 7, 5)):
+            x = torch.randn(shape)
+            xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ya, yb = compiled(xa), model(xb)
+            ya.square().sum().backward()
+            yb.square().sum().backward()
+            torch.testing.assert_close(ya, yb, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-4)
+
+
 def _normkit_targets(ep):
     return {str(n.target) for n in ep.graph.nodes
             if n.op == "call_function" and "normkit" in str(n.target)}

@@ -113,18 +113,41 @@ def _affine(xhat, w, b):
     return y if b is None else y + b
 
 
-def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None, act=None):
+def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None, act=None, *,
+            own_shape=False):
     """``y = act(w * xhat + b)`` (``act`` None: no activation), computed in the statistics
-    dtype and cast once to ``x``'s; returns ``(y, mean, rstd, var)``."""
+    dtype and cast once to ``x``'s; returns ``(y, mean, rstd, var)``, the statistics in
+    ``grouping.stat_shape``.
+
+    ``x`` comes in the view's shape, or with ``own_shape`` (Batch/Instance/GroupNorm) in its
+    own ``(N, C, *S)``: the statistics are taken over the view of it, and they and the
+    parameters, broadcast per channel, meet ``x`` itself, so that ``y`` comes from
+    elementwise ops on ``x`` (the same ops per element: the same bits), not as a reshape of
+    a view that merged the spatial dims. Traced by ``torch.compile`` with symbolic spatial
+    sizes, inductor cannot order the strides of such a reshape when a convolution reads it
+    (docs/pytorch2.md)."""
     sdtype = stat_dtype(x.dtype)
-    xs = x.to(sdtype)                                             # view shape
+    xs = x.to(sdtype)
     var = None
     if mean is None:
-        mean, var, rstd = compute_stats(xs, grouping, eps, center)
-    xhat = (xs - mean) * rstd
-    w, b = _param(weight, grouping, sdtype), _param(bias, grouping, sdtype)
-    y = activate(_affine(xhat, w, b), act)
+        mean, var, rstd = compute_stats(xs.reshape(grouping.view) if own_shape else xs,
+                                        grouping, eps, center)
+    stats = (mean, rstd, _param(weight, grouping, sdtype), _param(bias, grouping, sdtype))
+    if own_shape:
+        stats = tuple(_per_channel(t, grouping, x.shape) for t in stats)
+    y = activate(_affine((xs - stats[0]) * stats[1], stats[2], stats[3]), act)
     return y.to(x.dtype), mean, rstd, var
+
+
+def _per_channel(t, grouping, shape):
+    """``t``, broadcast over ``grouping.view`` of an ``(N, C, *S)`` input with one value
+    per channel or group (statistics, parameters), as the same values broadcast over
+    ``shape``: ``(1 or N, C, 1, ...)``."""
+    if t is None:
+        return None
+    if grouping.kind == "group":                  # a group's value for each of its channels
+        t = t.expand(t.shape[0], grouping.view[1], grouping.view[2], 1)
+    return t.reshape(t.shape[0], shape[1], *(1,) * (len(shape) - 2))
 
 
 def backward(grad, x, mean, rstd, weight, grouping, center, fixed, needs, *, xhat=None,
