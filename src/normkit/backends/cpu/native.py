@@ -31,6 +31,8 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 from normkit.backends import _parallel
 from normkit.backends.cpu import args, compiling
 
@@ -47,16 +49,33 @@ def build(family, x):
     ext = extension()
     g, act = family.grouping, family.activation
     forward, backward = compiling.plan_callbacks(family)
-    ones = x.new_ones(family.params, dtype=family.sdtype)
+    ones, zeros = _defaults(family.params, family.sdtype)
     return ext.Plan(x.new_empty(0), forward.address, backward.address,
                     args.constants(family, family.forward_entry, family.backward_entry),
                     list(family.forward_work), list(family.backward_work),
-                    list(family.stat_shape), ones, ones.new_zeros(family.params), g.kind,
+                    list(family.stat_shape), ones, zeros, g.kind,
                     list(g.view), list(g.reduce),
                     None if g.param_view is None else list(g.param_view), family.center,
                     family.threads, family.rows_of_channels, family.huge, family.stream_bytes,
                     family.stream_fresh, "" if act is None else act.name,
                     0.0 if act is None else act.slope)
+
+
+_DEFAULTS: dict = {}
+
+
+def _defaults(params, sdtype):
+    """The weight and bias (ones, zeros) that a plan reads where a call gives none, one
+    pair per size and dtype for every plan (read only). A pair of its own per plan, small
+    aligned tensors made while large ones were freed, split the freed memory into pieces
+    that glibc could neither reuse for the next, larger, input nor give back: 1.9 GB kept
+    after 512 new sequence lengths of four LayerNorms (docs/performance.md, "Inputs of
+    many shapes")."""
+    pair = _DEFAULTS.get((params, sdtype))
+    if pair is None:
+        ones = torch.ones(params, dtype=sdtype)
+        pair = _DEFAULTS[(params, sdtype)] = (ones, torch.zeros(params, dtype=sdtype))
+    return pair
 
 
 def enabled() -> bool:
