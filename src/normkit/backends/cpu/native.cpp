@@ -167,9 +167,8 @@ struct Plan : torch::CustomClassHolder {
   Tensor param(const Tensor& p, const Tensor& fallback) const {
     if (!p.defined()) return fallback;
     TORCH_CHECK(p.numel() == ones.numel() && p.device().is_cpu(),
-                "normkit native plan: expected a weight or bias of ", ones.numel(),
-                " elements on the CPU, as the plan's input has, got sizes ", p.sizes(), " on ",
-                p.device(), "; give parameters that match the input");
+                "normkit native plan: expected a weight or bias of ", ones.numel(), " elements "
+                "on the CPU, got sizes ", p.sizes(), " on ", p.device(), "; give ones that fit");
     if (p.scalar_type() != sdtype() || !p.is_contiguous())
       return p.detach().to(sdtype()).contiguous();
     return p;
