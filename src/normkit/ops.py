@@ -398,13 +398,11 @@ def apply_norm(x, grouping, weight=None, bias=None, eps=1e-5, center=True,
         if fixed_mean is not None:
             fixed_mean, fixed_rstd = torch_ops.fixed_stats(grouping, fixed_mean, fixed_rstd,
                                                            fixed_var, eps)
-        if grouping.kind in ("batch", "instance", "group"):      # (see torch_ops.forward)
-            y, mean, _, var = torch_ops.forward(x, grouping, weight, bias, eps, center,
-                                                fixed_mean, fixed_rstd, act, own_shape=True)
-            return y, mean, var
-        y, mean, _, var = torch_ops.forward(x.reshape(grouping.view), grouping, weight, bias,
-                                            eps, center, fixed_mean, fixed_rstd, act)
-        return y.reshape(x.shape), mean, var
+        own = grouping.kind in ("batch", "instance", "group")     # (see torch_ops.forward)
+        y, mean, _, var = torch_ops.forward(x if own else x.reshape(grouping.view), grouping,
+                                            weight, bias, eps, center, fixed_mean, fixed_rstd,
+                                            act, own_shape=own)
+        return (y if own else y.reshape(x.shape)), mean, var
     y, mean, _, var = norm_forward(x, grouping, weight, bias, eps, center, fixed_mean,
                                    fixed_rstd, keep_stats, fixed_var, act=act)
     return y, mean, var

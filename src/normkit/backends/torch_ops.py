@@ -132,10 +132,11 @@ def forward(x, grouping, weight, bias, eps, center=True, mean=None, rstd=None, a
     if mean is None:
         mean, var, rstd = compute_stats(xs.reshape(grouping.view) if own_shape else xs,
                                         grouping, eps, center)
-    stats = (mean, rstd, _param(weight, grouping, sdtype), _param(bias, grouping, sdtype))
+    m, r = mean, rstd
+    w, b = _param(weight, grouping, sdtype), _param(bias, grouping, sdtype)
     if own_shape:
-        stats = tuple(_per_channel(t, grouping, x.shape) for t in stats)
-    y = activate(_affine((xs - stats[0]) * stats[1], stats[2], stats[3]), act)
+        m, r, w, b = (_per_channel(t, grouping, x.shape) for t in (m, r, w, b))
+    y = activate(_affine((xs - m) * r, w, b), act)
     return y.to(x.dtype), mean, rstd, var
 
 
