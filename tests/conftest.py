@@ -52,6 +52,25 @@ def assert_close(actual, expected, dtype=None, grad=False, msg=""):
                                atol=atol * scale, rtol=rtol, equal_nan=True, msg=msg or None)
 
 
+def triton_interpreter_refusal():
+    """Why Triton's interpreter cannot run normkit's kernels on this machine, or None.
+    Before Triton 3.7 the interpreter turns a 1-element array into an index with
+    ``int()``, which NumPy refuses from 2.4 on (3.7 squeezes the array first); its
+    compiled kernels are not affected."""
+    import importlib.util
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'normkit[gpu]')"
+    triton = version("triton")
+    if Version(triton) < Version("3.7") and Version(np.__version__) >= Version("2.4"):
+        return (f"Triton {triton}'s interpreter indexes with int() of 1-element arrays, "
+                f"which NumPy {np.__version__} refuses (Triton 3.7 and newer do not)")
+    return None
+
+
 @pytest.fixture(autouse=True)
 def _fresh_plans():
     """Every test starts and ends with no cached normalization plan, so that a plan built

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import triton_interpreter_refusal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -21,7 +22,8 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed (pip install 'normkit[gpu]')")
 
 
-@needs_triton
+@pytest.mark.skipif(triton_interpreter_refusal() is not None,
+                    reason=str(triton_interpreter_refusal()))
 def test_dry_run_writes_every_part(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("TRITON_INTERPRET", None)
