@@ -71,6 +71,11 @@ def triton_interpreter_refusal():
     return None
 
 
+_REFUSAL = triton_interpreter_refusal()
+#: for the tests that run the Triton kernels in its interpreter
+needs_triton_interpreter = pytest.mark.skipif(_REFUSAL is not None, reason=str(_REFUSAL))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_plans():
     """Every test starts and ends with no cached normalization plan, so that a plan built

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import triton_interpreter_refusal
+from conftest import needs_triton_interpreter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -22,8 +22,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed (pip install 'normkit[gpu]')")
 
 
-@pytest.mark.skipif(triton_interpreter_refusal() is not None,
-                    reason=str(triton_interpreter_refusal()))
+@needs_triton_interpreter
 def test_dry_run_writes_every_part(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("TRITON_INTERPRET", None)

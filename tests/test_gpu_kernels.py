@@ -24,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 import normkit.functional as NF  # noqa: E402
 from normkit import backends  # noqa: E402
 
-from conftest import assert_close, triton_interpreter_refusal  # noqa: E402
+from conftest import assert_close, needs_triton_interpreter  # noqa: E402
 from test_add_norm import _pair, _torch  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -113,8 +113,7 @@ def test_skipped_without_triton():
 # the kernels, interpreted
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.skipif(triton_interpreter_refusal() is not None,
-                    reason=str(triton_interpreter_refusal()))
+@needs_triton_interpreter
 @pytest.mark.parametrize("family", ["rows", "add", "units", "act", "dispatch", "variants"])
 def test_kernels_in_interpreter(family):
     env = dict(os.environ, TRITON_INTERPRET="1")
