@@ -360,7 +360,7 @@ def test_the_first_calls_kernels_compile_while_the_executor_builds(monkeypatch):
 
     started, finish, events = threading.Event(), threading.Event(), []
 
-    def build(cpp_extension, sources):
+    def build(cpp_extension, sources, folder):
         events.append(("build", threading.current_thread() is threading.main_thread()))
         started.set()
         assert finish.wait(10), "the work meant for meanwhile did not run during the build"

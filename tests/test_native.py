@@ -43,6 +43,65 @@ def test_the_extension_builds_and_loads():
     assert native.extension() is not None
 
 
+_LOAD = "from normkit.backends.cpu import native; assert native.extension() is not None"
+
+
+def _load_from(folder):
+    """A new process loading the executor from a copy of this one's build folder."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(folder.parent))
+    return subprocess.Popen([sys.executable, "-c", _LOAD], env=env, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _copy_of_the_build(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    built = Path(native.extension().__file__).parent
+    return Path(shutil.copytree(built, tmp_path / "normkit_native", symlinks=True,
+                                ignore=shutil.ignore_patterns("lock", "normkit.lock")))
+
+
+def test_a_build_killed_midway_does_not_stop_the_next_process(tmp_path):
+    # torch's lock file, as a process killed during the build leaves it: every later
+    # process waited for it forever
+    folder = _copy_of_the_build(tmp_path)
+    (folder / "lock").touch()
+    loading = _load_from(folder)
+    try:
+        _, err = loading.communicate(timeout=60)
+    finally:
+        loading.kill()
+    assert loading.returncode == 0, err
+    assert "removing" in err and "did not finish" in err, err
+    assert not (folder / "lock").exists()
+
+
+def test_a_build_in_progress_is_waited_for(tmp_path):
+    # a live builder holds the OS lock: its lock file stays, the next process waits
+    import fcntl
+    import subprocess
+
+    folder = _copy_of_the_build(tmp_path)
+    with open(folder / "normkit.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (folder / "lock").touch()
+        loading = _load_from(folder)
+        with pytest.raises(subprocess.TimeoutExpired):
+            loading.wait(timeout=8)
+        (folder / "lock").unlink()        # the build finishes: torch removes its file
+    try:
+        _, err = loading.communicate(timeout=60)
+    finally:
+        loading.kill()
+    assert loading.returncode == 0, err
+    assert "removing" not in err, err
+
+
 def _node_name(y):
     return y.grad_fn.name() if y.grad_fn is not None else ""
 

@@ -121,13 +121,14 @@ def _load(meanwhile=None):
 
     sources = [Path(__file__).with_name(name) for name in SOURCES]
     try:
-        building = _say_if_building(cpp_extension, sources)
+        folder = Path(cpp_extension._get_build_directory("normkit_native", False))
+        building = _say_if_building(folder, sources)
     except OSError:            # (no extension folder: the build meets it too, and says so)
-        building = False
+        folder, building = None, False
     if meanwhile is None or not building:
-        return _build(cpp_extension, sources)
+        return _build(cpp_extension, sources, folder)
     with ThreadPoolExecutor(1) as pool:
-        built = pool.submit(_build, cpp_extension, sources)
+        built = pool.submit(_build, cpp_extension, sources, folder)
         try:
             meanwhile()
         finally:
@@ -135,9 +136,9 @@ def _load(meanwhile=None):
     return ext
 
 
-def _build(cpp_extension, sources):
+def _build(cpp_extension, sources, folder):
     try:
-        with _ninja_on_path():
+        with _ninja_on_path(), _sole_builder(folder):
             ext = cpp_extension.load(name="normkit_native", sources=[str(s) for s in sources],
                                      extra_cflags=["-O2"])
         ext.set_slots(args.SLOTS)
@@ -154,10 +155,9 @@ def _build(cpp_extension, sources):
         return False
 
 
-def _say_if_building(cpp_extension, sources) -> bool:
+def _say_if_building(folder, sources) -> bool:
     """Whether a build comes (none built for these sources yet), said in one line on
     standard error: what, how long, and how to do it ahead of time."""
-    folder = Path(cpp_extension._get_build_directory("normkit_native", False))
     newer = max(source.stat().st_mtime for source in sources)
     ninja = folder / "build.ninja"
     if (ninja.exists() and all(str(source) in ninja.read_text() for source in sources)
@@ -166,6 +166,31 @@ def _say_if_building(cpp_extension, sources) -> bool:
     print("normkit: compiling its C++ executor once for this machine (about 20-40 s); "
           "`python -m normkit.backends.cpu` does it ahead of time", file=sys.stderr, flush=True)
     return True
+
+
+@contextlib.contextmanager
+def _sole_builder(folder):
+    """This process alone builds and loads the extension in ``folder`` while it holds an
+    OS lock on ``normkit.lock`` there, which the system releases however the process ends.
+    torch's build takes its own lock, a file that only its holder removes; one left by a
+    process killed mid-build (a kernel restart, a job's time limit) made every later
+    process wait for it forever. Under the OS lock, such a file has no live holder and is
+    removed. (No ``fcntl``, as on Windows: torch's lock alone.)"""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    if folder is None or fcntl is None:
+        yield
+        return
+    with open(folder / "normkit.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)          # released when the file closes
+        left = folder / "lock"
+        if left.exists():
+            print(f"normkit: removing {left}, left by a build of the C++ executor that did "
+                  f"not finish", file=sys.stderr, flush=True)
+            left.unlink(missing_ok=True)
+        yield
 
 
 @contextlib.contextmanager
