@@ -102,6 +102,36 @@ def test_a_build_in_progress_is_waited_for(tmp_path):
     assert "removing" not in err, err
 
 
+_NO_COMPILER = """
+import warnings, torch, normkit.nn as nknn
+x = torch.randn(3, 8, requires_grad=True)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    ys = [nknn.LayerNorm(8)(x) for _ in range(2)]
+ref = torch.nn.LayerNorm(8)(x)
+assert all(torch.allclose(y, ref, atol=1e-6) for y in ys)
+print(ys[0].grad_fn.name())
+for w in seen:
+    print(w.category.__name__, w.filename, " ".join(str(w.message).split()))
+"""
+
+
+def test_without_a_compiler_the_composite_path_runs_with_one_warning(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX=str(tmp_path / "no-c++"))
+    out = subprocess.run([sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "NormNode" not in lines[0], lines
+    built = [line for line in lines[1:] if "could not build its C++ executor" in line]
+    assert len(built) == 1 and built[0].startswith("RuntimeWarning"), lines
+    assert "composite torch path" in built[0] and "concurrent" not in built[0], built
+
+
 def _node_name(y):
     return y.grad_fn.name() if y.grad_fn is not None else ""
 

@@ -151,7 +151,7 @@ def _build(cpp_extension, sources, folder):
             f"normkit could not build its C++ executor ({type(error).__name__}: "
             f"...{str(error)[-600:]}); normalizations on the CPU take the slower composite "
             f"torch path. It needs a C++ compiler and ninja (`pip install ninja`); set "
-            f"NORMKIT_NATIVE=0 to skip the attempt", RuntimeWarning, stacklevel=2)
+            f"NORMKIT_NATIVE=0 to skip the attempt", RuntimeWarning, stacklevel=1)
         return False
 
 
