@@ -441,3 +441,62 @@ def test_a_forked_child_leaves_the_parents_compile_helper_alone():
         assert fake.wait(timeout=30) == 0
     finally:
         compiling._helper = saved
+
+
+def test_cache_lookups_and_compilations_hold_numbas_compiler_lock(monkeypatch):
+    """numba's cache loads refresh its typing registries, and its own calls take its
+    compiler lock for that; ``args.cached`` and ``args.callback`` do too. Without it a
+    thread's lookup broke another's ("generator already executing", a TypingError) when
+    threads made their first calls at once."""
+    from numba.core import caching
+    from numba.core.compiler_lock import global_compiler_lock
+
+    from normkit.backends.cpu import args, entries, plans
+
+    held = []
+    load = caching.FunctionCache.load_overload
+
+    def watched(self, *a, **k):
+        held.append(global_compiler_lock.is_locked())
+        return load(self, *a, **k)
+
+    monkeypatch.setattr(caching.FunctionCache, "load_overload", watched)
+    protos = plans.protos(torch.float32)
+    args.cached(entries.planes_small, *protos)
+    monkeypatch.setattr(args, "_CALLBACKS", {})         # compiled anew (from the cache)
+    args.callback(entries.planes_small, *protos)
+    assert held and all(held), held
+
+
+_THREADS = """
+import threading, torch, normkit.nn as nknn
+made = [(nknn.LayerNorm(64), torch.nn.LayerNorm(64), (4, 64)),
+        (nknn.GroupNorm(4, 16), torch.nn.GroupNorm(4, 16), (4, 16, 8, 8)),
+        (nknn.BatchNorm2d(16), torch.nn.BatchNorm2d(16), (4, 16, 8, 8)),
+        (nknn.RMSNorm(64), torch.nn.RMSNorm(64), (4, 64))]
+errors = []
+def first_call(i):
+    ours, theirs, shape = made[i % 4]
+    try:
+        x = torch.randn(shape, requires_grad=True)
+        y = ours(x)
+        y.sum().backward()
+        assert torch.allclose(y, theirs(x), atol=1e-5), "differs from torch"
+    except Exception as error:
+        errors.append(repr(error))
+threads = [threading.Thread(target=first_call, args=(i,)) for i in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(errors)
+"""
+
+
+def test_threads_making_their_first_calls_at_once():
+    # each process new: every thread's call is its first (the kernels in numba's cache)
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", _THREADS], capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)

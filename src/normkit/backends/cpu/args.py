@@ -37,6 +37,7 @@ import threading
 from typing import NamedTuple
 
 from numba import cfunc, types
+from numba.core.compiler_lock import global_compiler_lock
 
 __all__ = ["SLOTS", "TENSORS", "PER_CALL", "CONSTANTS", "Work", "callback", "constants",
            "float_bits", "parameters", "quiet", "compiled", "cached", "NOTICE_AFTER_S"]
@@ -132,18 +133,22 @@ def callback(entry, proto, sproto, fused=False):
     ``act`` is compiled twice: ``fused``, with the activation of the ``act`` and
     ``slope`` slots, or without one (None in their place: ``act_stores``), which compiles
     in about half the time, its loops exactly those of no activation. A compilation says
-    so on standard error (``NOTICE_AFTER_S``), once per process."""
+    so on standard error (``NOTICE_AFTER_S``), once per process. Threads take numba's
+    compiler lock for it, as numba's own calls do: one compiles, the others then find it."""
     key = _key(entry, proto, sproto, fused)
     found = _CALLBACKS.get(key)
     if found is None:
-        timer = threading.Timer(NOTICE_AFTER_S, _notice)
-        timer.daemon = True
-        timer.start()
-        try:
-            found = cfunc(_SIGNATURE, cache=True)(_body(entry, proto, sproto, fused))
-        finally:
-            timer.cancel()
-        _CALLBACKS[key] = found
+        with global_compiler_lock:
+            found = _CALLBACKS.get(key)
+            if found is None:
+                timer = threading.Timer(NOTICE_AFTER_S, _notice)
+                timer.daemon = True
+                timer.start()
+                try:
+                    found = cfunc(_SIGNATURE, cache=True)(_body(entry, proto, sproto, fused))
+                finally:
+                    timer.cancel()
+                _CALLBACKS[key] = found
     return found
 
 
@@ -155,14 +160,16 @@ def compiled(entry, proto, sproto, fused=False) -> bool:
 def cached(entry, proto, sproto, fused=False) -> bool:
     """Whether numba's cache holds ``callback`` of these arguments (what it looks up);
     True where this numba's modules lack that lookup (nothing is then compiled aside:
-    ``compiling``)."""
+    ``compiling``). Under numba's compiler lock: loading refreshes numba's typing
+    registries, which another thread's load or compilation may be walking."""
     try:
         from numba.core.caching import FunctionCache
         from numba.core.registry import cpu_target
     except ImportError:
         return True
-    return FunctionCache(_body(entry, proto, sproto, fused)).load_overload(
-        _SIGNATURE, cpu_target.target_context) is not None
+    with global_compiler_lock:
+        return FunctionCache(_body(entry, proto, sproto, fused)).load_overload(
+            _SIGNATURE, cpu_target.target_context) is not None
 
 
 def _key(entry, proto, sproto, fused):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -85,6 +86,7 @@ def enabled() -> bool:
 
 
 _extension = None          # the loaded module; False: unavailable or switched off
+_loading = threading.RLock()   # one thread loads or builds it; the others wait for it
 
 
 def extension(meanwhile=None):
@@ -93,14 +95,17 @@ def extension(meanwhile=None):
     process, leaving this one free: the first call compiles its kernels then)."""
     global _extension
     if _extension is None:
-        if enabled():
-            _extension = _load(meanwhile)
-        else:
-            _extension = False
-            warnings.warn("NORMKIT_NATIVE=0: normkit's C++ executor is switched off, and "
-                          "normalizations on the CPU take the slower composite torch path",
-                          RuntimeWarning, stacklevel=2)
+        with _loading:
+            if _extension is None:
+                _extension = _load(meanwhile) if enabled() else _switched_off()
     return _extension or None
+
+
+def _switched_off():
+    warnings.warn("NORMKIT_NATIVE=0: normkit's C++ executor is switched off, and "
+                  "normalizations on the CPU take the slower composite torch path",
+                  RuntimeWarning, stacklevel=3)
+    return False
 
 
 def switch(on: bool) -> None:
