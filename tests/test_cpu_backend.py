@@ -175,6 +175,29 @@ def test_a_plans_entries_compile_side_by_side_on_an_empty_cache(tmp_path, helper
     assert r.stdout.split() == ["0", hits, "True", "True", "True"]
 
 
+_LEFT_OPEN = """
+import torch
+from normkit.backends.cpu import compiling, entries, plans
+compiling.ENABLED = True
+compiling.callbacks((entries.channels_fixed, entries.planes_small), *plans.protos(torch.float64))
+print(compiling._helper is not None and compiling._helper.poll() is None)
+"""
+
+
+def test_a_helper_still_running_is_closed_at_exit(tmp_path):
+    # the process ends within the helper's idle time: closed at exit, not left to the
+    # interpreter's end ("ResourceWarning: subprocess ... is still running", open pipes)
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-X", "dev", "-c", _LEFT_OPEN], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr[-3000:]
+    assert "ResourceWarning" not in r.stderr, r.stderr[-3000:]
+
+
 _COMPILE_RUN = """
 import sys
 import torch

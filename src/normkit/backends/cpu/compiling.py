@@ -19,6 +19,7 @@ process compiles the entry itself, as it did before the helper: slower, the same
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -112,12 +113,15 @@ def _close_later() -> None:
 
 
 def _close() -> None:
+    """Close the helper (after ``IDLE_S``, or at exit: an idle one, since a call waits for
+    its entries, so that no child process and pipes are left to the interpreter's end)."""
     global _helper
     with _lock:
         helper, _helper = _helper, None
     if helper is not None:
         helper.stdin.close()                    # the helper reads to the end and exits
         helper.wait()
+        helper.stdout.close()
 
 
 def _forget_in_child() -> None:
@@ -132,6 +136,7 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):          # (POSIX; Windows does not fork)
     os.register_at_fork(after_in_child=_forget_in_child)
+atexit.register(_close)
 
 
 def serve() -> None:
