@@ -1,0 +1,116 @@
+"""How the C++ executor is built and loaded (``normkit.backends.cpu.native``): a build
+killed midway, a build in progress in another process, no compiler, the switch off."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+import normkit.functional as NF  # noqa: E402
+from normkit.backends.cpu import native  # noqa: E402
+
+if not native.enabled():
+    pytest.skip("NORMKIT_NATIVE=0: the C++ node is switched off", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _native_on():
+    native.switch(True)
+    yield
+    native.switch(True)
+
+
+_LOAD = "from normkit.backends.cpu import native; assert native.extension() is not None"
+
+
+def _load_from(folder):
+    """A new process loading the executor from a copy of this one's build folder."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(folder.parent))
+    return subprocess.Popen([sys.executable, "-c", _LOAD], env=env, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _copy_of_the_build(tmp_path):
+    built = Path(native.extension().__file__).parent
+    return Path(shutil.copytree(built, tmp_path / "normkit_native", symlinks=True,
+                                ignore=shutil.ignore_patterns("lock", "normkit.lock")))
+
+
+def test_a_build_killed_midway_does_not_stop_the_next_process(tmp_path):
+    # torch's lock file, as a process killed during the build leaves it: every later
+    # process waited for it forever
+    folder = _copy_of_the_build(tmp_path)
+    (folder / "lock").touch()
+    loading = _load_from(folder)
+    try:
+        _, err = loading.communicate(timeout=60)
+    finally:
+        loading.kill()
+    assert loading.returncode == 0, err
+    assert "removing" in err and "did not finish" in err, err
+    assert not (folder / "lock").exists()
+
+
+def test_a_build_in_progress_is_waited_for(tmp_path):
+    # a live builder holds the OS lock: its lock file stays, the next process waits
+    import fcntl
+
+    folder = _copy_of_the_build(tmp_path)
+    with open(folder / "normkit.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (folder / "lock").touch()
+        loading = _load_from(folder)
+        with pytest.raises(subprocess.TimeoutExpired):
+            loading.wait(timeout=8)
+        (folder / "lock").unlink()        # the build finishes: torch removes its file
+    try:
+        _, err = loading.communicate(timeout=60)
+    finally:
+        loading.kill()
+    assert loading.returncode == 0, err
+    assert "removing" not in err, err
+
+
+_NO_COMPILER = """
+import warnings, torch, normkit.nn as nknn
+x = torch.randn(3, 8, requires_grad=True)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    ys = [nknn.LayerNorm(8)(x) for _ in range(2)]
+ref = torch.nn.LayerNorm(8)(x)
+assert all(torch.allclose(y, ref, atol=1e-6) for y in ys)
+print(ys[0].grad_fn.name())
+for w in seen:
+    print(w.category.__name__, w.filename, " ".join(str(w.message).split()))
+"""
+
+
+def test_without_a_compiler_the_composite_path_runs_with_one_warning(tmp_path):
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX=str(tmp_path / "no-c++"))
+    out = subprocess.run([sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "NormNode" not in lines[0], lines
+    built = [line for line in lines[1:] if "could not build its C++ executor" in line]
+    assert len(built) == 1 and built[0].startswith("RuntimeWarning"), lines
+    assert "composite torch path" in built[0] and "concurrent" not in built[0], built
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("NORMKIT_NATIVE", "0")
+    native.switch(True)
+    with pytest.warns(RuntimeWarning, match="switched off"):
+        assert not native.enabled() and native.extension() is None
+    y = NF.layer_norm(torch.randn(3, 8, requires_grad=True), (8,))
+    assert y.grad_fn is None or "NormNode" not in y.grad_fn.name()
+    monkeypatch.delenv("NORMKIT_NATIVE")
+    native.switch(True)
+    assert native.extension() is not None
