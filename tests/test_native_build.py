@@ -92,8 +92,13 @@ for w in seen:
 """
 
 
-def test_without_a_compiler_the_composite_path_runs_with_one_warning(tmp_path):
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX=str(tmp_path / "no-c++"))
+@pytest.mark.parametrize("missing", ["compiler", "build folder"])
+def test_without_a_compiler_the_composite_path_runs_with_one_warning(tmp_path, missing):
+    if missing == "compiler":
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX=str(tmp_path / "no-c++"))
+    else:                               # a folder that cannot be made: below a plain file
+        (tmp_path / "file").touch()
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "file" / "extensions"))
     out = subprocess.run([sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -102,6 +107,7 @@ def test_without_a_compiler_the_composite_path_runs_with_one_warning(tmp_path):
     built = [line for line in lines[1:] if "could not build its C++ executor" in line]
     assert len(built) == 1 and built[0].startswith("RuntimeWarning"), lines
     assert "composite torch path" in built[0] and "concurrent" not in built[0], built
+    assert ("compiler" if missing == "compiler" else "TORCH_EXTENSIONS_DIR") in built[0], built
 
 
 def test_switched_off_by_the_environment(monkeypatch):

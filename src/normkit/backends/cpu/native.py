@@ -155,8 +155,9 @@ def _build(cpp_extension, sources, folder):
         warnings.warn(
             f"normkit could not build its C++ executor ({type(error).__name__}: "
             f"...{str(error)[-600:]}); normalizations on the CPU take the slower composite "
-            f"torch path. It needs a C++ compiler and ninja (`pip install ninja`); set "
-            f"NORMKIT_NATIVE=0 to skip the attempt", RuntimeWarning, stacklevel=1)
+            f"torch path. It needs a C++ compiler, ninja (`pip install ninja`) and a "
+            f"writable build folder (TORCH_EXTENSIONS_DIR); set NORMKIT_NATIVE=0 to skip "
+            f"the attempt", RuntimeWarning, stacklevel=1)
         return False
 
 
