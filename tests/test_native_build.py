@@ -120,3 +120,19 @@ def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.delenv("NORMKIT_NATIVE")
     native.switch(True)
     assert native.extension() is not None
+
+
+def test_a_file_system_without_locks_leaves_torchs_lock_alone(tmp_path, monkeypatch):
+    # flock refused (an NFS mount without a lock service, say): the build goes on under
+    # torch's lock alone rather than failing, and removes nothing it cannot prove stale
+    import errno
+    import fcntl
+
+    def refused(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    (tmp_path / "lock").touch()
+    with native._sole_builder(tmp_path):
+        entered = True
+    assert entered and (tmp_path / "lock").exists()

@@ -181,16 +181,25 @@ def _sole_builder(folder):
     torch's build takes its own lock, a file that only its holder removes; one left by a
     process killed mid-build (a kernel restart, a job's time limit) made every later
     process wait for it forever. Under the OS lock, such a file has no live holder and is
-    removed. (No ``fcntl``, as on Windows: torch's lock alone.)"""
+    removed. (No ``fcntl``, as on Windows, or a file system that refuses the lock: torch's
+    lock alone.)"""
     try:
         import fcntl
     except ImportError:
         fcntl = None
-    if folder is None or fcntl is None:
+    held = None
+    if folder is not None and fcntl is not None:
+        try:
+            held = open(folder / "normkit.lock", "a")
+            fcntl.flock(held, fcntl.LOCK_EX)      # released when the file closes
+        except OSError:
+            if held is not None:
+                held.close()
+            held = None
+    if held is None:
         yield
         return
-    with open(folder / "normkit.lock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)          # released when the file closes
+    with held:
         left = folder / "lock"
         if left.exists():
             print(f"normkit: removing {left}, left by a build of the C++ executor that did "
