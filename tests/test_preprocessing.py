@@ -62,8 +62,9 @@ def make_data(shape, dtype, seed=0, nan_frac=0.0):
 def _fails_on_this_scikit_learn(estimator):
     """The checks that this scikit-learn fails for its own scaler of the same settings."""
     import sklearn
+    from packaging.version import Version
 
-    if (tuple(int(p) for p in sklearn.__version__.split(".")[:2]) < (1, 7)
+    if (Version(sklearn.__version__) < Version("1.7")
             and isinstance(estimator, StandardScaler) and estimator.with_mean):
         # 1.6 fits sparse data with the default with_mean=True, which scikit-learn's
         # StandardScaler() refuses as normkit's does ("Cannot center sparse matrices")
