@@ -15,9 +15,11 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import normkit  # noqa: E402
+import normkit.nn as nknn  # noqa: E402
 from zoo_models import VISION, build, pixels  # noqa: E402
 
 NORM_BASES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+NORMKIT_LAYERS = tuple(getattr(nknn, name) for name in nknn.__all__)
 
 # (swapped, routed) where the table names the model
 # (bit: 7 GroupNorm activations, 9 weight-standardized convolutions)
@@ -68,7 +70,8 @@ def test_vision_model_converts_completely_and_computes_the_same(name):
     if name in EXPECTED:
         assert (len(report.swapped), len(report.routed)) == EXPECTED[name], str(report)
     for n, m in converted.named_modules():   # no torch norm computes unrouted
-        assert not isinstance(m, NORM_BASES) or "_normkit_routed_from" in vars(type(m)), n
+        assert not isinstance(m, NORM_BASES) or "_normkit_routed_from" in vars(type(m)) \
+            or isinstance(m, NORMKIT_LAYERS), n          # (normkit's layers subclass torch's)
 
     for mode in ("train", "eval"):
         original.train(mode == "train"), converted.train(mode == "train")

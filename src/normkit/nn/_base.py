@@ -93,7 +93,7 @@ class NormBase(nn.Module):
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
                  track_running_stats=True, device=None, dtype=None, *, bias=True):
         factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__()
+        nn.Module.__init__(self)    # (not the torch twin's __init__: this one builds it all)
         check_eps(eps, type(self).__name__)
         self.num_features = num_features
         self.eps = eps

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from normkit import backends, ops
 from normkit import functional as F
@@ -206,17 +206,17 @@ DIM_DOC = {
 }
 
 
-class BatchNorm1d(_BatchNorm):
+class BatchNorm1d(_BatchNorm, nn.BatchNorm1d):
     __doc__ = _BN_DOC.format(name="BatchNorm1d", **DIM_DOC[1])
     _accepted_dims = (2, 3)
 
 
-class BatchNorm2d(_BatchNorm):
+class BatchNorm2d(_BatchNorm, nn.BatchNorm2d):
     __doc__ = _BN_DOC.format(name="BatchNorm2d", **DIM_DOC[2])
     _accepted_dims = (4,)
 
 
-class BatchNorm3d(_BatchNorm):
+class BatchNorm3d(_BatchNorm, nn.BatchNorm3d):
     __doc__ = _BN_DOC.format(name="BatchNorm3d", **DIM_DOC[3])
     _accepted_dims = (5,)
 

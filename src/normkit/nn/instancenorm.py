@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from normkit import functional as F
 from normkit.nn._base import NormBase, fx_leaf
@@ -94,16 +94,16 @@ _IN_DOC = r"""Instance normalization over ``(N, C, {spatial})`` or ``(C, {spatia
 """
 
 
-class InstanceNorm1d(_InstanceNorm):
+class InstanceNorm1d(_InstanceNorm, nn.InstanceNorm1d):
     __doc__ = _IN_DOC.format(spatial="L", name="InstanceNorm1d", example="4, 3, 10")
     _no_batch_dim = 2
 
 
-class InstanceNorm2d(_InstanceNorm):
+class InstanceNorm2d(_InstanceNorm, nn.InstanceNorm2d):
     __doc__ = _IN_DOC.format(spatial="H, W", name="InstanceNorm2d", example="4, 3, 8, 8")
     _no_batch_dim = 3
 
 
-class InstanceNorm3d(_InstanceNorm):
+class InstanceNorm3d(_InstanceNorm, nn.InstanceNorm3d):
     __doc__ = _IN_DOC.format(spatial="D, H, W", name="InstanceNorm3d", example="2, 3, 4, 8, 8")
     _no_batch_dim = 4

@@ -28,7 +28,7 @@ def _as_shape(normalized_shape, cls_name) -> tuple:
     return shape
 
 
-class LayerNorm(KeptPlan, nn.Module):
+class LayerNorm(KeptPlan, nn.LayerNorm):
     r"""Layer normalization over the trailing ``normalized_shape`` dims (Ba et al., 2016).
 
     .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
@@ -57,7 +57,7 @@ class LayerNorm(KeptPlan, nn.Module):
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
                  device=None, dtype=None):
         factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__()
+        nn.Module.__init__(self)          # (see NormBase)
         self.normalized_shape = _as_shape(normalized_shape, type(self).__name__)
         check_eps(eps, type(self).__name__)
         self.eps = eps
@@ -91,7 +91,7 @@ class LayerNorm(KeptPlan, nn.Module):
                 f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}")
 
 
-class GroupNorm(KeptPlan, nn.Module):
+class GroupNorm(KeptPlan, nn.GroupNorm):
     r"""Group normalization (Wu & He, 2018) over ``(N, C, *)``.
 
     .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
@@ -122,7 +122,7 @@ class GroupNorm(KeptPlan, nn.Module):
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None,
                  dtype=None, *, bias=True):
         factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__()
+        nn.Module.__init__(self)          # (see NormBase)
         if num_groups <= 0 or num_channels % num_groups != 0:
             divisors = [d for d in range(1, num_channels + 1) if num_channels % d == 0]
             raise ValueError(f"num_channels ({num_channels}) must be divisible by num_groups "
@@ -165,7 +165,7 @@ class GroupNorm(KeptPlan, nn.Module):
                 f"affine={self.affine}, bias={self.bias is not None}")
 
 
-class RMSNorm(KeptPlan, nn.Module):
+class RMSNorm(KeptPlan, nn.RMSNorm):
     r"""Root-mean-square normalization (Zhang & Sennrich, 2019): LayerNorm without
     centering.
 
@@ -198,7 +198,7 @@ class RMSNorm(KeptPlan, nn.Module):
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
                  dtype=None, *, offset=0.0, casting="torch"):
         factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__()
+        nn.Module.__init__(self)          # (see NormBase)
         self.normalized_shape = _as_shape(normalized_shape, type(self).__name__)
         check_eps(eps, type(self).__name__, allow_none=True)
         check_casting(casting, offset, True if elementwise_affine else None)

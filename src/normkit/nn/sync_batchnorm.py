@@ -18,7 +18,7 @@ from normkit.nn.batchnorm import _BatchNorm
 __all__ = ["SyncBatchNorm"]
 
 
-class SyncBatchNorm(_BatchNorm):
+class SyncBatchNorm(_BatchNorm, nn.modules.batchnorm._BatchNorm):
     r"""Batch normalization over the global batch of a process group (Ioffe & Szegedy,
     2015), on any ``torch.distributed`` backend -- gloo on CPU included.
 
