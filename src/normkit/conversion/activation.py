@@ -293,12 +293,7 @@ def _forward_pairs(model, counts, report):
         if "forward" in vars(module):
             continue
         kind = type(module)
-        key = (kind, frozenset(bns), frozenset(acts))
-        if key not in _FORWARDS:           # parsed once per class and children
-            left = []
-            result = fuse.rewritten_forward(kind, _activation_rewrite(bns, set(acts), left))
-            _FORWARDS[key] = (result, left)
-        result, left = _FORWARDS[key]
+        result, left = _act_forward(kind, frozenset(bns), frozenset(acts))
         where = name or "<root>"
         for bn_attr, act_attr, reason in left:
             report.activations_left.append((where, qualified(kind),
@@ -307,7 +302,7 @@ def _forward_pairs(model, counts, report):
             if result != _NO_PAIR:            # (the source could not be read, say)
                 report.activations_left.append((where, qualified(kind), result))
             continue
-        forward, sites = result
+        sites = result[1]
         checked = []
         for bn_attr, act_attr in sites:
             bn, act_module, act = children[bn_attr], children[act_attr], acts[act_attr]
@@ -328,10 +323,29 @@ def _forward_pairs(model, counts, report):
             report.activations_fused.append((where, qualified(kind),
                                              _how(bn_attr, act_attr, children[act_attr],
                                                   acts[act_attr])))
-        role = "act_" + "_".join(sorted({f"{bn}_{act}" for bn, act in sites}))
-        module.__class__ = derived_class(role, kind, (kind,),
-                                         lambda: {"forward": forward,
-                                                  "_normkit_act_fused_from": kind})
+        module.__class__ = act_class(kind, frozenset(bns), frozenset(acts))
+
+
+def _act_forward(kind, bns, acts):
+    """``(result, left)``: ``(forward, sites)`` of ``kind`` fusing its BatchNorms ``bns``
+    with its activations ``acts`` (attribute names), or why not (a str), and the pairs
+    left; parsed once per class and children."""
+    key = (kind, bns, acts)
+    if key not in _FORWARDS:
+        left = []
+        _FORWARDS[key] = (fuse.rewritten_forward(kind, _activation_rewrite(bns, set(acts), left)),
+                          left)
+    return _FORWARDS[key]
+
+
+def act_class(kind, bns, acts):
+    """The class of ``kind`` whose forward calls its BatchNorms ``bns`` without the
+    activation modules ``acts`` after them (the BatchNorms apply them)."""
+    forward, sites = _act_forward(kind, bns, acts)[0]
+    role = "act_" + "_".join(sorted({f"{bn}_{act}" for bn, act in sites}))
+    return derived_class(role, kind, (kind,),
+                         lambda: {"forward": forward, "_normkit_act_fused_from": kind},
+                         (act_class, kind, bns, acts))
 
 
 def fuse_activations(report) -> None:

@@ -334,13 +334,19 @@ def _forward_for(sig):
     return forward
 
 
-def route_recipe(module, recipe, sig):
-    """Give ``module`` the routed class running ``recipe``; returns how (for the report)."""
-    kind = type(module)
+def recipe_class(kind, sig):
+    """The routed class of ``kind`` whose forward, of signature ``sig``, runs the
+    instance's recipe."""
     role = "recipe_" + "_".join(n for n in sig[:2] if n) + ("_opt" if sig[1] and sig[2] is None
                                                              else "")
-    routed = derived_class(role, kind, (kind,),
-                           lambda: dict(forward=_forward_for(sig), _normkit_routed_from=kind))
+    return derived_class(role, kind, (kind,),
+                         lambda: dict(forward=_forward_for(sig), _normkit_routed_from=kind),
+                         (recipe_class, kind, sig))
+
+
+def route_recipe(module, recipe, sig):
+    """Give ``module`` the routed class running ``recipe``; returns how (for the report)."""
+    routed = recipe_class(type(module), sig)
     module.__dict__["_normkit_recipe"] = recipe
     module.__class__ = routed
     return f"forward is normkit's {recipes.describe(recipe)}"

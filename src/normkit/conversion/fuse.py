@@ -356,17 +356,29 @@ def fuse(module, norms):
     if "forward" in vars(module):
         return "its forward is set on the instance"
     kind, norms = type(module), frozenset(norms)
-    if (kind, norms) not in _FORWARDS:              # parsed and compiled once per class
-        _FORWARDS[kind, norms] = rewritten_forward(kind, _residual_rewrite(norms))
-    result = _FORWARDS[kind, norms]
+    result = _fused_forward(kind, norms)
     if isinstance(result, str):
         return result
-    forward, sites = result
+    module.__class__ = fused_class(kind, norms)
+    return result[1]
+
+
+def _fused_forward(kind, norms):
+    """``(forward, sites)`` of ``kind`` fusing the adds before ``norms``, or why not (a
+    str); parsed and compiled once per class."""
+    if (kind, norms) not in _FORWARDS:
+        _FORWARDS[kind, norms] = rewritten_forward(kind, _residual_rewrite(norms))
+    return _FORWARDS[kind, norms]
+
+
+def fused_class(kind, norms):
+    """The class of ``kind`` whose forward fuses the adds before its norms ``norms``."""
+    forward, sites = _fused_forward(kind, norms)
     role = "fused_" + "_".join(sorted({attr for _, attr in sites}))
-    module.__class__ = derived_class(role, kind, (kind,),
-                                     lambda: {"forward": forward, _HELPER: staticmethod(add_norm),
-                                              "_normkit_fused_from": kind})
-    return sites
+    return derived_class(role, kind, (kind,),
+                         lambda: {"forward": forward, _HELPER: staticmethod(add_norm),
+                                  "_normkit_fused_from": kind},
+                         (fused_class, kind, norms))
 
 
 def is_fused(module) -> bool:

@@ -118,12 +118,8 @@ def _named_forward(input_name):
 def swap_rms(module, eps_name, rule, input_name="input"):
     """The ``normkit.nn.RMSNorm`` for an RMSNorm-shaped ``module`` with ``rule``, whose
     forward takes one argument named ``input_name``."""
-    kind = type(module)
     casting, offset = rule
-    derived = derived_class(
-        f"rms_{eps_name}_{input_name}", kind, (nknn.RMSNorm,),
-        lambda: dict(**_eps_alias(eps_name), **_named_forward(input_name),
-                     _normkit_source=(kind, eps_name)))
+    derived = rms_class(type(module), eps_name, input_name)
     weight = module._parameters["weight"]
     new = derived(tuple(weight.shape), eps=getattr(module, eps_name), device="meta",
                   offset=offset, casting=casting)
@@ -133,6 +129,15 @@ def swap_rms(module, eps_name, rule, input_name="input"):
     new.__dict__.update({k: v for k, v in vars(module).items()
                          if k not in MODULE_STATE and k not in own and k != eps_name})
     return new
+
+
+def rms_class(kind, eps_name, input_name):
+    """The ``normkit.nn.RMSNorm`` class made for ``kind``: its epsilon also under
+    ``eps_name``, its forward's argument named ``input_name``."""
+    return derived_class(f"rms_{eps_name}_{input_name}", kind, (nknn.RMSNorm,),
+                         lambda: dict(**_eps_alias(eps_name), **_named_forward(input_name),
+                                      _normkit_source=(kind, eps_name)),
+                         (rms_class, kind, eps_name, input_name))
 
 
 def revert_rms(module):

@@ -127,14 +127,20 @@ def _rewired_methods(kind, stop):
 def route(module, stop):
     """Give ``module`` its routed class; returns how, or None when its methods call none
     of the five ops through ``torch.nn.functional``."""
-    kind = type(module)
-    methods = _rewired_methods(kind, stop)
+    methods = _rewired_methods(type(module), stop)
     if not methods:
         return None
-    routed = derived_class("routed", kind, (kind,),
-                           lambda: dict(methods, _normkit_routed_from=kind))
-    module.__class__ = routed
+    module.__class__ = routed_class(type(module), stop, methods)
     return f"torch.nn.functional norm calls in {', '.join(sorted(methods))} run on normkit"
+
+
+def routed_class(kind, stop, methods=None):
+    """The routed class of ``kind``: its methods up to ``stop`` with the norm calls on
+    normkit (``methods``, when already made)."""
+    return derived_class("routed", kind, (kind,),
+                         lambda: dict(methods or _rewired_methods(kind, stop),
+                                      _normkit_routed_from=kind),
+                         (routed_class, kind, stop))
 
 
 def _channels_first_forward(self, input):
@@ -223,12 +229,18 @@ def route_layer_norm(module):
         return None
     kind = type(module)
     name = next(iter(list(inspect.signature(kind.forward).parameters)[1:]))
-    forward = _named(_LAYOUTS[layout][0], name)
-    routed = derived_class(f"routed_{layout}_{name}", kind, (kind,),
-                           lambda: dict(forward=forward, _normkit_routed_from=kind))
-    module.__class__ = routed
+    module.__class__ = layout_class(kind, layout, name)
     how = "layer_norm over dim 1" if layout == "channels_first" else "layer_norm"
     return f"{layout}: forward is normkit's {how}"
+
+
+def layout_class(kind, layout, name):
+    """The class of a ``kind`` LayerNorm whose forward is normkit's ``layout`` layer norm,
+    taking its input as ``name``."""
+    return derived_class(f"routed_{layout}_{name}", kind, (kind,),
+                         lambda: dict(forward=_named(_LAYOUTS[layout][0], name),
+                                      _normkit_routed_from=kind),
+                         (layout_class, kind, layout, name))
 
 
 def is_routed(module) -> bool:

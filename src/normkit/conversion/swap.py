@@ -141,14 +141,18 @@ def _carried(source, dst):
 def swap_subclass(module, src, dst, args):
     """The normkit twin of a plain subclass of ``src``, in a class made for it that
     carries its extra class attributes; its extra instance attributes are copied."""
-    kind = type(module)
-    derived = derived_class("swapped", kind, (dst,),
-                            lambda: dict(_carried(kind, dst), _normkit_source=(kind, src)))
     a = args(module)
-    new = twin(module, derived, a)
+    new = twin(module, swapped_class(type(module), src, dst), a)
     torch_state = _own_state(src, a)
     new.__dict__.update({k: v for k, v in vars(module).items() if k not in torch_state})
     return new
+
+
+def swapped_class(kind, src, dst):
+    """The normkit class ``dst`` made for ``kind``, a plain subclass of ``src``."""
+    return derived_class("swapped", kind, (dst,),
+                         lambda: dict(_carried(kind, dst), _normkit_source=(kind, src)),
+                         (swapped_class, kind, src, dst))
 
 
 def revert_subclass(module, pairs):
