@@ -4,7 +4,12 @@ the source articles' worked LayerNorm example (its input is ``WORKED_INPUT`` of
 
 import os
 
-import numpy as np
+# scikit-learn's array API checks of the scalers (check_array_api_input, and
+# test_scaler_array_api.py) need SciPy's array API mode, set before SciPy is imported;
+# it leaves SciPy's results on NumPy inputs as they are
+os.environ.setdefault("SCIPY_ARRAY_API", "1")
+
+import numpy as np  # noqa: E402
 import pytest
 
 # the source article's printed output of torch.nn.LayerNorm(5) on WORKED_INPUT

@@ -42,6 +42,7 @@ except ModuleNotFoundError as error:   # (an optional dependency)
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
 from normkit.preprocessing import _kernels, _persist, _sparse
+from normkit.preprocessing._array_api import dispatch, host
 from normkit.preprocessing._columns import first_finite, is_dask, non_numeric_columns
 from normkit.stats import Moments, Range
 
@@ -112,6 +113,7 @@ class _ScalerBase(OneToOneFeatureMixin, TransformerMixin, BaseEstimator):
         tags = super().__sklearn_tags__()
         tags.input_tags.allow_nan = True
         tags.transformer_tags.preserves_dtype = ["float64", "float32", "float16"]
+        tags.array_api_support = True                   # (_array_api)
         return tags
 
 
@@ -174,12 +176,14 @@ class StandardScaler(_ScalerBase):
             if hasattr(self, name):
                 delattr(self, name)
 
+    @dispatch
     def fit(self, X, y=None, sample_weight=None):
         """Compute the mean and standard deviation of ``X`` (array, DataFrame or Dask
         collection); ``sample_weight`` weights each row."""
         self._reset()
         return self.partial_fit(X, y, sample_weight)
 
+    @dispatch
     def partial_fit(self, X, y=None, sample_weight=None):
         """Merge the statistics of the batch ``X`` into those seen so far."""
         if is_dask(X):
@@ -248,10 +252,11 @@ class StandardScaler(_ScalerBase):
 
     # -- maps --------------------------------------------------------------------------
     def _center_scale(self):
-        sub = self.mean_ if self.with_mean else 0.0
-        div = self.scale_ if self.with_std else 1.0
+        sub = host(self.mean_) if self.with_mean else 0.0
+        div = host(self.scale_) if self.with_std else 1.0
         return sub, div
 
+    @dispatch
     def transform(self, X, copy=None):
         """``(X - mean_) / scale_``; NaN stays NaN. Dask collections transform lazily."""
         check_is_fitted(self)
@@ -265,6 +270,7 @@ class StandardScaler(_ScalerBase):
             return self._scale_sparse(X, copy, inverse=False)
         return self._apply(X, _out_array(self, X, copy), inverse=False)
 
+    @dispatch
     def inverse_transform(self, X, copy=None):
         """``X * scale_ + mean_``: back to the original units."""
         check_is_fitted(self)
@@ -287,7 +293,7 @@ class StandardScaler(_ScalerBase):
         n_inf = int(np.isinf(X.data).sum())
         if n_inf:
             _raise_inf(self, n_inf, where)
-        return _sparse.scale_columns(X, self.scale_, inverse, copy)
+        return _sparse.scale_columns(X, host(self.scale_), inverse, copy)
 
     def _apply(self, X, out, inverse):
         """The map on a validated 2-D float array, written into ``out``."""
@@ -310,7 +316,7 @@ class StandardScaler(_ScalerBase):
         mo = self._moments
         return {
             "n_samples_seen_": np.asarray(mo.count, dtype=np.float64),
-            "mean_": self.mean_, "var_": self.var_, "scale_": self.scale_,
+            "mean_": host(self.mean_), "var_": host(self.var_), "scale_": host(self.scale_),
             "weighted": self._weighted,
             "moments": {"count": mo.count, "shift": mo.shift, "mean": mo.mean, "m2": mo.m2},
         }
@@ -392,11 +398,13 @@ class MinMaxScaler(_ScalerBase):
             )
         return lo, hi
 
+    @dispatch
     def fit(self, X, y=None):
         """Compute the per-feature minimum and maximum of ``X``."""
         self._reset()
         return self.partial_fit(X, y)
 
+    @dispatch
     def partial_fit(self, X, y=None):
         """Merge the minimum and maximum of the batch ``X`` into those seen so far."""
         self._range_bounds()
@@ -416,7 +424,7 @@ class MinMaxScaler(_ScalerBase):
         if bad.any():
             _raise_inf(self, int(bad.sum()), f"{where} (features {np.flatnonzero(bad).tolist()})")
         if hasattr(self, "n_samples_seen_"):
-            new = Range(self.data_min_, self.data_max_).merge(new)
+            new = Range(host(self.data_min_), host(self.data_max_)).merge(new)
             n_rows = n_rows + self.n_samples_seen_
         self.n_samples_seen_ = int(n_rows)
         self.data_min_ = np.asarray(new.min, dtype=np.float64)
@@ -431,6 +439,7 @@ class MinMaxScaler(_ScalerBase):
         self.scale_ = (hi - lo) / np.where(constant, 1.0, self.data_range_)
         self.min_ = lo - self.data_min_ * self.scale_
 
+    @dispatch
     def transform(self, X):
         """``X * scale_ + min_`` (clipped to ``feature_range`` when ``clip``)."""
         check_is_fitted(self)
@@ -441,6 +450,7 @@ class MinMaxScaler(_ScalerBase):
         X = _validate(self, X, reset=False, in_place=not self.copy)
         return self._apply(X, _out_array(self, X, self.copy), inverse=False)
 
+    @dispatch
     def inverse_transform(self, X):
         """``(X - min_) / scale_``: back to the original units."""
         check_is_fitted(self)
@@ -454,10 +464,10 @@ class MinMaxScaler(_ScalerBase):
     def _apply(self, X, out, inverse):
         """The map on a validated 2-D float array, written into ``out``."""
         if inverse:
-            n_inf = _kernels.subtract_divide(X, self.min_, self.scale_, out)
+            n_inf = _kernels.subtract_divide(X, host(self.min_), host(self.scale_), out)
         else:
             clip = self._range_bounds() if self.clip else None
-            n_inf = _kernels.multiply_add(X, self.scale_, self.min_, out, clip=clip)
+            n_inf = _kernels.multiply_add(X, host(self.scale_), host(self.min_), out, clip=clip)
         if n_inf:
             _raise_inf(self, n_inf, "inverse_transform" if inverse else "transform")
         return out
@@ -465,8 +475,8 @@ class MinMaxScaler(_ScalerBase):
     def _get_state(self):
         return {
             "n_samples_seen_": self.n_samples_seen_,
-            "data_min_": self.data_min_, "data_max_": self.data_max_,
-            "scale_": self.scale_, "min_": self.min_,
+            "data_min_": host(self.data_min_), "data_max_": host(self.data_max_),
+            "scale_": host(self.scale_), "min_": host(self.min_),
         }
 
     def _set_state(self, state, check):
