@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn as tnn
 
+import normkit
 import normkit.nn as nkn
 from normkit import stats
 
@@ -168,9 +169,10 @@ def _check_subgroup(rank, world, sizes):
     return compare
 
 
-def _check_convert_and_ddp(rank, world, steps=3):
+def _check_convert_and_ddp(rank, world, steps=3, fused=False):
     """A small CNN with BatchNorm: DDP + convert_sync_batchnorm over equal shards equals
-    single-process training on the whole batch."""
+    single-process training on the whole batch; ``fused``: of the model converted with
+    ``fuse_activation=True`` (its two ReLUs then applied by the SyncBatchNorms)."""
     dtype = torch.float64
 
     def make(bn2d):
@@ -194,8 +196,12 @@ def _check_convert_and_ddp(rank, world, steps=3):
         torch.nn.functional.cross_entropy(ref(x), t).backward()
         opt.step()
 
-    model = nkn.SyncBatchNorm.convert_sync_batchnorm(make(nkn.BatchNorm2d))
+    model = make(nkn.BatchNorm2d)
+    if fused:
+        normkit.convert(model, fuse_activation=True)
+    model = nkn.SyncBatchNorm.convert_sync_batchnorm(model)
     n_sync = sum(isinstance(m, nkn.SyncBatchNorm) for m in model.modules())
+    n_act = sum(getattr(m, "activation", None) == "relu" for m in model.modules())
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     sl = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -206,6 +212,7 @@ def _check_convert_and_ddp(rank, world, steps=3):
 
     def compare():
         assert n_sync == 3, f"converted {n_sync} of 3 BatchNorm layers"
+        assert n_act == (2 if fused else 0), f"{n_act} SyncBatchNorms apply a ReLU"
         got, want = model.state_dict(), ref.state_dict()
         assert got.keys() == want.keys()
         for k in want:
@@ -242,6 +249,7 @@ def _worker(rank, world, port, out_dir):
     if world >= 3:
         run("subgroup", _check_subgroup, SPLITS[world][0])
     run("ddp_cnn", _check_convert_and_ddp)
+    run("ddp_cnn_fused_activation", _check_convert_and_ddp, fused=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(verdicts, f)
     dist.destroy_process_group()
@@ -282,7 +290,7 @@ def _expected_checks(world):
                   for dtype in (torch.float64, torch.float32)]
         names += [f"no_affine-momentum_none-{sizes}", f"channels_last-{sizes}",
                   f"one_collective_each_way-{sizes}"]
-    return names + (["subgroup"] if world >= 3 else []) + ["ddp_cnn"]
+    return names + (["subgroup"] if world >= 3 else []) + ["ddp_cnn", "ddp_cnn_fused_activation"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -354,8 +362,11 @@ def test_not_distributed_is_batchnorm():
 
 def test_signature_and_state_dict_match_torch():
     import inspect
-    ours = inspect.signature(nkn.SyncBatchNorm.__init__).parameters
+    ours = dict(inspect.signature(nkn.SyncBatchNorm.__init__).parameters)
     theirs = inspect.signature(tnn.SyncBatchNorm.__init__).parameters
+    # normkit's own options after torch's, keyword-only, as BatchNorm2d's (test_nn.py)
+    assert [(k, ours.pop(k).kind) for k in ("activation", "negative_slope")] == \
+        [(k, inspect.Parameter.KEYWORD_ONLY) for k in ("activation", "negative_slope")]
     assert list(ours) == list(theirs)
     assert [(p.default, p.kind) for p in ours.values()] == \
         [(p.default, p.kind) for p in theirs.values()]
@@ -400,3 +411,27 @@ def test_world_size_one_is_batchnorm():
         torch.testing.assert_close(sync.running_var, ref.running_var, **TOL[torch.float32])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("act", [tnn.ReLU(), tnn.LeakyReLU(0.0), tnn.LeakyReLU(0.2), tnn.SiLU()],
+                         ids=["relu", "leaky0", "leaky0.2", "silu"])
+def test_convert_sync_batchnorm_keeps_a_fused_activation(act):
+    """A BatchNorm given its activation by ``convert(fuse_activation=True)`` becomes a
+    SyncBatchNorm that applies it (unsynchronized here: the distributed checks run the
+    synchronized path); ``revert`` gives the activation module back."""
+    import copy
+
+    torch.manual_seed(0)
+    untouched = tnn.Sequential(tnn.Conv2d(3, 4, 3), tnn.BatchNorm2d(4), act).double()
+    model = copy.deepcopy(untouched)
+    normkit.convert(model, fuse_activation=True)
+    model = nkn.SyncBatchNorm.convert_sync_batchnorm(model)
+    assert type(model[1]) is nkn.SyncBatchNorm and model[1].activation is not None
+    x = torch.randn(5, 3, 6, 6, dtype=torch.float64)
+    for mode in (True, False):
+        untouched.train(mode), model.train(mode)
+        _close(model(x), untouched(x), torch.float64, f"training={mode}")
+    _close(model[1].running_var, untouched[1].running_var, torch.float64, "running_var")
+    normkit.revert(model)
+    assert [type(m) for m in model] == [tnn.Conv2d, tnn.SyncBatchNorm, type(act)]
+    _close(model(x), untouched(x), torch.float64, "reverted")

@@ -10,6 +10,7 @@ from torch import fx, nn
 
 from normkit import functional as F
 from normkit import ops
+from normkit.backends import torch_ops
 from normkit.nn._base import fx_leaf
 from normkit.nn._sync import sync_batch_norm
 from normkit.nn.batch_renorm import _BatchRenorm
@@ -55,6 +56,9 @@ class SyncBatchNorm(_BatchNorm, nn.modules.batchnorm._BatchNorm):
         process_group: the ranks whose batches are normalized together. Default: None,
             the whole world.
         bias: with ``affine``, whether to learn the bias (keyword-only). Default: True.
+        activation, negative_slope: an activation applied to the output, as
+            ``BatchNorm2d``'s (keyword-only; after the synchronized normalization,
+            not fused into it). Default: None.
 
     Shape:
         Input and output: ``(N, C, *)``, at least 2D.
@@ -69,9 +73,10 @@ class SyncBatchNorm(_BatchNorm, nn.modules.batchnorm._BatchNorm):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
                  track_running_stats=True, process_group=None, device=None, dtype=None, *,
-                 bias=True):
+                 bias=True, activation=None, negative_slope=0.01):
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
-                         device=device, dtype=dtype, bias=bias)
+                         device=device, dtype=dtype, bias=bias, activation=activation,
+                         negative_slope=negative_slope)
         self.process_group = process_group
 
     def _check_input_dim(self, input) -> None:
@@ -109,6 +114,11 @@ class SyncBatchNorm(_BatchNorm, nn.modules.batchnorm._BatchNorm):
         running_mean = self.running_mean if track else None
         running_var = self.running_var if track else None
         sync = self._sync_group() if self.training else None
+        act = self.__dict__.get("_act")
+        if sync is None and act is not None:
+            return F.batch_norm_act(input, running_mean, running_var, self.weight, self.bias,
+                                    use_batch_stats, factor, self.eps, activation=act.name,
+                                    negative_slope=act.slope)
         if sync is None:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 use_batch_stats, factor, self.eps)
@@ -119,8 +129,9 @@ class SyncBatchNorm(_BatchNorm, nn.modules.batchnorm._BatchNorm):
                 f"compile or export the model in eval mode, or before "
                 f"init_process_group, where it is plain BatchNorm")
         group, world_size = sync
-        return sync_batch_norm(input, running_mean, running_var, self.weight, self.bias,
-                               factor, self.eps, group, world_size)
+        y = sync_batch_norm(input, running_mean, running_var, self.weight, self.bias, factor,
+                            self.eps, group, world_size)
+        return y if act is None else torch_ops.activate(y, act)    # (after, not fused)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group=None) -> nn.Module:
@@ -145,11 +156,17 @@ class SyncBatchNorm(_BatchNorm, nn.modules.batchnorm._BatchNorm):
         is_bn = isinstance(module, (nn.modules.batchnorm._BatchNorm, _BatchNorm))
         if is_bn and not isinstance(module, _BatchRenorm):
             ref = next((t for t in (module.weight, module.running_mean) if t is not None), None)
+            act = module.__dict__.get("_act")          # (normkit's: a fused activation)
             out = cls(module.num_features, module.eps, module.momentum, module.affine,
                       module.track_running_stats, process_group,
                       device=None if ref is None else ref.device,
                       dtype=None if ref is None else ref.dtype,
-                      bias=module.bias is not None)
+                      bias=module.bias is not None,
+                      activation=None if act is None else act.name,
+                      negative_slope=act.slope if act is not None and
+                      act.name == "leaky_relu" else 0.01)
+            if "_normkit_fused_activation" in module.__dict__:   # (revert gives it back)
+                out.__dict__["_normkit_fused_activation"] = True
             if module.affine:
                 out.weight = module.weight
                 out.bias = module.bias
