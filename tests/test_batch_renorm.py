@@ -209,3 +209,8 @@ def test_errors():
         F.batch_renorm(torch.randn(4, 3), None, None, training=True)
     with pytest.raises(ValueError, match="more than 1 value"):
         F.batch_renorm(torch.randn(1, 3), torch.zeros(3), torch.ones(3), training=True)
+    m = nkn.BatchRenorm2d(3)
+    with pytest.raises(ValueError, match="applies no activation"):   # (it was ignored)
+        m.activation = "relu"
+    m.activation = None
+    assert m.activation is None and "activation" not in repr(m)

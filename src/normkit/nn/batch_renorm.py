@@ -42,6 +42,18 @@ class _BatchRenorm(_BatchNorm):
         self.warmup_steps = warmup_steps
         self.r_max_steps, self.d_max_steps = r_max_steps, d_max_steps
 
+    @property
+    def activation(self):
+        """None: Batch Renormalization applies no activation of its own."""
+        return None
+
+    @activation.setter
+    def activation(self, value):
+        if value is not None:               # (BatchNorm's fused activation: not here)
+            raise ValueError(f"{type(self).__name__} applies no activation in its own call, "
+                             f"got activation={value!r}; apply it after the layer "
+                             f"(torch.nn.functional.relu(m(x)))")
+
     def limits(self, step=None):
         """``(r_max, d_max)`` in force at training step ``step`` (default: the next batch,
         ``num_batches_tracked``): ``(1, 0)`` for the first ``warmup_steps`` batches, then
