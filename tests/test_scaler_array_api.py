@@ -72,3 +72,19 @@ def test_dispatch_off_and_numpy_inputs_unchanged():
     with sklearn.config_context(array_api_dispatch=True):
         out = nk.MinMaxScaler().fit(x.numpy()).transform(x.numpy())
     assert isinstance(out, np.ndarray) and out.dtype == np.float32
+
+
+def test_other_inputs_under_dispatch_as_scikit_learn():
+    """Frames, lists, sparse matrices and integer arrays with dispatch on: the same output
+    types as scikit-learn's (NumPy, or CSR)."""
+    pd = pytest.importorskip("pandas")
+    sparse = pytest.importorskip("scipy.sparse")
+    X = np.random.default_rng(0).normal(size=(6, 3))
+    inputs = [pd.DataFrame(X, columns=list("abc")), X.tolist(), sparse.csr_matrix(X),
+              (X * 10).astype(np.int64), X.astype(np.float32)]
+    with sklearn.config_context(array_api_dispatch=True):
+        for data in inputs:
+            params = {"with_mean": False} if sparse.issparse(data) else {}
+            got = nk.StandardScaler(**params).fit(data).transform(data)
+            want = sk.StandardScaler(**params).fit(data).transform(data)
+            assert type(got) is type(want) and got.dtype == want.dtype, type(data)
