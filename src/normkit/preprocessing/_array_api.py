@@ -23,9 +23,11 @@ __all__ = ["dispatch", "host", "namespace", "to_namespace"]
 
 
 def namespace(X):
-    """``(xp, device)`` of ``X`` when it is an array of a library other than NumPy and
-    array API dispatch is on; None otherwise (NumPy, lists, frames, sparse matrices)."""
-    if isinstance(X, np.ndarray) or not get_config()["array_api_dispatch"]:
+    """``(xp, device)`` of ``X`` when it is an array of a library other than NumPy (an
+    object with ``__dlpack__``: a tensor, a CuPy array, ...) and array API dispatch is on;
+    None otherwise (NumPy, lists, frames, sparse matrices)."""
+    if isinstance(X, np.ndarray) or not hasattr(X, "__dlpack__") or \
+            not get_config()["array_api_dispatch"]:
         return None
     xp, compliant, device = get_namespace_and_device(X)
     if not compliant or _is_numpy_namespace(xp):
@@ -36,7 +38,7 @@ def namespace(X):
 def host(a):
     """``a`` as a NumPy array on the host where it is another library's array (a fitted
     attribute or an input), else ``a`` itself."""
-    found = namespace(a) if hasattr(a, "shape") else None
+    found = namespace(a)
     return a if found is None else _convert_to_numpy(a, found[0])
 
 
