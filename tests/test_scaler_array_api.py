@@ -54,6 +54,8 @@ def test_tensors_in_tensors_out_with_scikit_learns_values(name, params, dtype):
     want = theirs.transform(held_out.numpy())
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     assert type(got) is torch.Tensor and got.dtype == dtype
+    seen = ours.n_samples_seen_                 # (a float64 0-d tensor, an int: as theirs)
+    assert type(seen) is (int if name == "MinMaxScaler" else torch.Tensor), type(seen)
     torch.testing.assert_close(got, torch.from_numpy(want), equal_nan=True, **tol)
     torch.testing.assert_close(back, torch.from_numpy(theirs.inverse_transform(want)), **tol)
     for attr in ("mean_", "var_", "scale_", "min_", "data_min_", "data_max_", "data_range_"):
@@ -113,3 +115,15 @@ def test_other_inputs_under_dispatch_as_scikit_learn():
                 continue
             got = nk.StandardScaler(**params).fit(data).transform(data)
             assert type(got) is type(want) and got.dtype == want.dtype, type(data)
+
+
+def test_save_of_a_scaler_fitted_on_tensors(tmp_path):
+    """The scaler file holds the statistics; the loaded scaler is a NumPy one."""
+    x, held_out = _data(torch.float64)
+    for cls in (nk.StandardScaler, nk.MinMaxScaler):
+        with sklearn.config_context(array_api_dispatch=True):
+            fitted = cls().fit(x)
+            want = fitted.transform(held_out)
+        fitted.save(tmp_path / "scaler.json")
+        got = cls.load(tmp_path / "scaler.json").transform(held_out.numpy())
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-12)

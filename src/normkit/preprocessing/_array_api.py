@@ -68,7 +68,7 @@ def dispatch(method):
             return to_namespace(out, xp, device)
         for name, value in list(vars(self).items()):
             if name.endswith("_") and not name.startswith("_") and \
-                    isinstance(value, np.ndarray) and value.dtype == np.float64:
-                setattr(self, name, to_namespace(value, xp, device, "stats"))
+                    isinstance(value, (np.ndarray, np.float64)) and value.dtype == np.float64:
+                setattr(self, name, to_namespace(np.asarray(value), xp, device, "stats"))
         return self
     return run
