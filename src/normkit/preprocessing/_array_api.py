@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from sklearn import get_config
+from sklearn import config_context, get_config
 from sklearn.utils._array_api import (_convert_to_numpy, _is_numpy_namespace,
                                       _max_precision_float_dtype, get_namespace_and_device)
 
@@ -26,10 +26,17 @@ def namespace(X):
     """``(xp, device)`` of ``X`` when it is an array of a library other than NumPy (an
     object with ``__dlpack__``: a tensor, a CuPy array, ...) and array API dispatch is on;
     None otherwise (NumPy, lists, frames, sparse matrices)."""
-    if isinstance(X, np.ndarray) or not hasattr(X, "__dlpack__") or \
-            not get_config()["array_api_dispatch"]:
+    if not get_config()["array_api_dispatch"]:
         return None
-    xp, compliant, device = get_namespace_and_device(X)
+    return _foreign(X)
+
+
+def _foreign(X):
+    """``(xp, device)`` of another library's array ``X``, else None (dispatch on or not)."""
+    if isinstance(X, (np.ndarray, np.generic)) or not hasattr(X, "__dlpack__"):
+        return None
+    with config_context(array_api_dispatch=True):
+        xp, compliant, device = get_namespace_and_device(X)
     if not compliant or _is_numpy_namespace(xp):
         return None
     return xp, device
@@ -37,8 +44,8 @@ def namespace(X):
 
 def host(a):
     """``a`` as a NumPy array on the host where it is another library's array (a fitted
-    attribute or an input), else ``a`` itself."""
-    found = namespace(a)
+    attribute, also read with dispatch off, as by ``save``; or an input), else ``a``."""
+    found = _foreign(a)
     return a if found is None else _convert_to_numpy(a, found[0])
 
 
