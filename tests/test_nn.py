@@ -201,6 +201,7 @@ def test_momentum_none_is_cumulative_average():
     (lambda m: m.RMSNorm([2, 5]), lambda layer: layer(torch.randn(3, 5)), RuntimeError),
     (lambda m: m.GroupNorm(2, 4), lambda layer: layer(torch.randn(4)), RuntimeError),
     (lambda m: m.GroupNorm(2, 4), lambda layer: layer(torch.randn(2, 6, 3)), RuntimeError),
+    (lambda m: m.BatchNorm1d(4, momentum="a"), lambda layer: layer(torch.randn(3, 4)), TypeError),
 ])
 def test_errors_have_torchs_types(make, call, err):
     for lib in (tnn, nknn):
@@ -216,6 +217,12 @@ def test_error_messages_say_what_and_how():
         nknn.BatchNorm1d(3)(torch.randn(1, 3))
     with pytest.raises(RuntimeError, match=r"normalized_shape=\[5\].*\[3, 4\]"):
         nknn.LayerNorm(5)(torch.randn(3, 4))
+    with pytest.raises(TypeError, match="momentum must be a number or None, got str 'a'"):
+        nknn.BatchNorm1d(4, momentum="a")(torch.randn(3, 4))
+    x, theirs = torch.randn(3, 4), tnn.BatchNorm1d(4, momentum=torch.tensor(0.2))
+    ours = nknn.BatchNorm1d(4, momentum=torch.tensor(0.2))   # (a one-element tensor: as torch)
+    torch.testing.assert_close(ours(x), theirs(x))
+    torch.testing.assert_close(ours.running_mean, theirs.running_mean)
     with pytest.raises(ValueError, match="expected 4D input \\(got 2D"):
         nknn.BatchNorm2d(3)(torch.randn(2, 3))
     for train in (True, False):          # (a training call keeps a plan: it is not asked)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import fx, nn
 
@@ -124,6 +126,11 @@ class _BatchNorm(KeptPlan, NormBase):
         """The momentum of this step; with ``momentum=None`` the running statistics are the
         cumulative average of all batches (factor ``1 / num_batches_tracked``)."""
         factor = 0.0 if self.momentum is None else self.momentum
+        if isinstance(factor, torch.Tensor) and factor.numel() == 1:
+            factor = float(factor)                    # (as torch's batch_norm takes it)
+        elif not isinstance(factor, numbers.Real):   # (torch's type; not a binding's message)
+            raise TypeError(f"{type(self).__name__}: momentum must be a number or None, got "
+                            f"{type(factor).__name__} {factor!r}; the usual value is 0.1")
         if self.training and self.track_running_stats:
             tracked = self.num_batches_tracked       # (a buffer: each read costs ~1 us)
             if tracked is not None:
