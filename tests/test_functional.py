@@ -312,6 +312,22 @@ def test_errors_match_torch_types_and_carry_values():
         (lambda F: F.batch_norm(torch.randn(4, 3), torch.zeros(4), torch.ones(4)),
          RuntimeError, "running_mean"),
         (lambda F: F.instance_norm(torch.randn(2, 3, 1)), ValueError, "spatial"),
+        # running statistics: none in eval, one of the two, a momentum that is no number
+        # (normkit normalized with the batch's, ignored the one, or failed in a binding)
+        (lambda F: F.batch_norm(torch.randn(4, 3), None, None), RuntimeError,
+         "running_mean must be defined in evaluation mode"),
+        (lambda F: F.batch_norm(torch.randn(4, 3), None, torch.ones(3)), RuntimeError,
+         "running_mean must be defined"),
+        (lambda F: F.batch_norm(torch.randn(4, 3), torch.zeros(3), None, training=True),
+         ValueError, "got running_mean but running_var=None"),
+        (lambda F: F.instance_norm(torch.randn(2, 3, 4), None, torch.ones(3)), ValueError,
+         "got running_var but running_mean=None"),
+        (lambda F: F.instance_norm(torch.randn(2, 3, 4), use_input_stats=False), RuntimeError,
+         "use_input_stats is false"),
+        (lambda F: F.batch_norm(torch.randn(4, 3), torch.zeros(3), torch.ones(3), training=True,
+                                momentum=None), TypeError, "momentum must be a number, got None"),
+        (lambda F: F.instance_norm(torch.randn(2, 3, 4), torch.zeros(3), torch.ones(3),
+                                   momentum="0.1"), TypeError, "got str '0.1'"),
     ]
     for call, err, text in cases:
         with pytest.raises(err):

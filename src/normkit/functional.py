@@ -25,6 +25,7 @@ except ModuleNotFoundError as error:   # (an optional dependency)
     raise needs(error, "normkit.functional") from None
 
 from normkit import backends, ops
+from normkit._checks import _check_channels, _check_floating, _check_running, _momentum, _size
 from normkit import grouping as G
 from normkit.activation import resolve
 from normkit.ops import add_norm, apply_norm, cast_norm
@@ -34,10 +35,6 @@ from normkit.rms_casting import check_casting, normalize_dtype
 
 __all__ = ["batch_norm", "batch_norm_act", "layer_norm", "group_norm", "instance_norm", "rms_norm", "normalize",
            "batch_renorm", "add_layer_norm", "add_rms_norm"]
-
-
-def _size(shape) -> list:
-    return [int(s) for s in shape]
 
 
 def _eager_cached(make):
@@ -68,40 +65,12 @@ _activation = _eager_cached(resolve)
 _group, _layer = _eager_cached(G.group), _eager_cached(G.layer)
 
 
-_CHANNEL_PARAMS = ("running_mean", "running_var", "weight", "bias")
-
-
 def rms_eps(dtype) -> float:
     """The ``eps`` of an RMS norm given ``eps=None``: the machine epsilon of the dtype it
     computes in, float32 for float16 and bfloat16 input, as torch's kernels take it (its
     documentation says the input dtype's; bfloat16's 0.0078 would differ by up to 1.8 on
     inputs of size 0.05)."""
     return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
-
-
-def _check_floating(input, op):
-    """The norms take floating-point input only, as torch's (whose kernels raise
-    NotImplementedError for other dtypes): an integer, bool or complex tensor would come
-    back truncated or with its imaginary part dropped."""
-    if not input.is_floating_point():
-        raise NotImplementedError(
-            f"{op} takes floating-point input (float64, float32, bfloat16 or float16), got "
-            f"{input.dtype}: convert it first, e.g. input.float()")
-
-
-def _check_channels(op, input, running_mean=None, running_var=None, weight=None, bias=None):
-    """A floating input (``_check_floating``) whose C = input.shape[1] matches every given
-    per-channel tensor's element count. (Named parameters, not ``**params``: a keyword dict
-    per call costs on a small tensor.)"""
-    _check_floating(input, op)
-    c = input.shape[1]
-    for name, p in zip(_CHANNEL_PARAMS, (running_mean, running_var, weight, bias)):
-        if p is not None and p.numel() != c:
-            raise RuntimeError(
-                f"{name} should contain {c} elements not {p.numel()} (the input has {c} "
-                f"channels at dim 1); pass a {name} with {c} elements or fix the input's "
-                f"channel count")
-    return c
 
 
 def update_running(running_mean, running_var, mean, var, momentum, unbias=1.0):
@@ -190,6 +159,13 @@ def _batch_norm(input, running_mean, running_var, weight, bias, training, moment
         raise ValueError(f"batch_norm expects an input of shape (N, C, *), got {input.dim()}D "
                          f"input of size {_size(input.shape)}; add a batch dim with unsqueeze(0)")
     _check_channels("batch_norm", input, running_mean, running_var, weight, bias)
+    if not training and (running_mean is None or running_var is None):
+        missing = "running_mean" if running_mean is None else "running_var"
+        raise RuntimeError(f"{missing} must be defined in evaluation mode: batch_norm with "
+                           f"training=False normalizes with the running statistics; pass "
+                           f"running_mean and running_var, or training=True to use the batch's")
+    _check_running("batch_norm", running_mean, running_var)
+    momentum = _momentum("batch_norm", momentum)
     grouping = _batch(input.shape)
     if eps < 0 or (training and eps == 0):
         raise ValueError(f"batch_norm eps must be positive (non-negative in eval), got "
@@ -202,9 +178,6 @@ def _batch_norm(input, running_mean, running_var, weight, bias, training, moment
             f"{input.size()}: a batch of one sample with no spatial positions cannot be "
             f"normalized; use a larger batch, eval mode, or a batch-independent norm "
             f"(GroupNorm, LayerNorm)")
-    if not training and running_mean is None:
-        training = True  # no running statistics to use: normalize with the batch's, as torch
-        n = grouping.group_size
     if not training:
         sdtype = stat_dtype(input.dtype)
         # (C,) as they are: the paths that broadcast them view them (torch_ops.fixed_stats);
@@ -239,12 +212,15 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
                          f"got {input.dim()}D input of size {_size(input.shape)}")
     c = _check_channels("instance_norm", input, running_mean=running_mean,
                         running_var=running_var, weight=weight, bias=bias)
+    _check_running("instance_norm", running_mean, running_var)
+    momentum = _momentum("instance_norm", momentum)
     grouping = _instance(input.shape)
     s = grouping.group_size
     if not use_input_stats:
-        if running_mean is None or running_var is None:
-            raise RuntimeError("instance_norm with use_input_stats=False needs running_mean "
-                               "and running_var; pass them or set use_input_stats=True")
+        if running_mean is None:
+            raise RuntimeError("Expected running_mean and running_var to be defined when "
+                               "use_input_stats is false: instance_norm normalizes with them "
+                               "then; pass both, or use_input_stats=True")
         sdtype = stat_dtype(input.dtype)
         shape = grouping.stat_shape
         mean = running_mean.to(sdtype).view(1, c, 1).expand(shape)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import fx, nn
 
 from normkit import backends, ops
 from normkit import functional as F
 from normkit import grouping as G
+from normkit._checks import _momentum
 from normkit.activation import resolve
 from normkit.nn._base import NormBase, fx_leaf
 from normkit.nn._kept import KeptPlan
@@ -125,12 +124,9 @@ class _BatchNorm(KeptPlan, NormBase):
     def _exponential_average_factor(self) -> float:
         """The momentum of this step; with ``momentum=None`` the running statistics are the
         cumulative average of all batches (factor ``1 / num_batches_tracked``)."""
-        factor = 0.0 if self.momentum is None else self.momentum
-        if isinstance(factor, torch.Tensor) and factor.numel() == 1:
-            factor = float(factor)                    # (as torch's batch_norm takes it)
-        elif not isinstance(factor, numbers.Real):   # (torch's type; not a binding's message)
-            raise TypeError(f"{type(self).__name__}: momentum must be a number or None, got "
-                            f"{type(factor).__name__} {factor!r}; the usual value is 0.1")
+        momentum = self.momentum
+        factor = 0.0 if momentum is None else _momentum(type(self).__name__, momentum,
+                                                        "a number or None")
         if self.training and self.track_running_stats:
             tracked = self.num_batches_tracked       # (a buffer: each read costs ~1 us)
             if tracked is not None:

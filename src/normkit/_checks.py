@@ -1,0 +1,64 @@
+"""Argument checks of the functional ops: the exception types torch raises for the same
+mistake, with the values and the fix in the message (a binding's "incompatible function
+arguments" or an AttributeError on ``None`` says neither)."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+_CHANNEL_PARAMS = ("running_mean", "running_var", "weight", "bias")
+
+
+def _size(shape) -> list:
+    return [int(s) for s in shape]
+
+
+def _check_floating(input, op):
+    """The norms take floating-point input only, as torch's (whose kernels raise
+    NotImplementedError for other dtypes): an integer, bool or complex tensor would come
+    back truncated or with its imaginary part dropped."""
+    if not input.is_floating_point():
+        raise NotImplementedError(
+            f"{op} takes floating-point input (float64, float32, bfloat16 or float16), got "
+            f"{input.dtype}: convert it first, e.g. input.float()")
+
+
+def _check_channels(op, input, running_mean=None, running_var=None, weight=None, bias=None):
+    """A floating input (``_check_floating``) whose C = input.shape[1] matches every given
+    per-channel tensor's element count. (Named parameters, not ``**params``: a keyword dict
+    per call costs on a small tensor.)"""
+    _check_floating(input, op)
+    c = input.shape[1]
+    for name, p in zip(_CHANNEL_PARAMS, (running_mean, running_var, weight, bias)):
+        if p is not None and p.numel() != c:
+            raise RuntimeError(
+                f"{name} should contain {c} elements not {p.numel()} (the input has {c} "
+                f"channels at dim 1); pass a {name} with {c} elements or fix the input's "
+                f"channel count")
+    return c
+
+
+def _check_running(op, running_mean, running_var):
+    """Both running statistics or neither, a ValueError as torch's; one alone would be
+    ignored or fail deep in a kernel."""
+    if (running_mean is None) != (running_var is None):
+        given, missing = (("running_mean", "running_var") if running_var is None else
+                          ("running_var", "running_mean"))
+        raise ValueError(f"running_mean and running_var must either both be None or neither be "
+                    f"None: {op} got {given} but {missing}=None; pass both (a layer's "
+                    f"buffers), or neither to normalize with the batch's statistics only")
+
+
+def _momentum(op, momentum, allowed="a number") -> float:
+    """``momentum`` as the float the kernels take: a number, or a one-element tensor as
+    torch's ops take it; anything else a TypeError naming it (torch's type)."""
+    if type(momentum) is float:
+        return momentum
+    if isinstance(momentum, torch.Tensor) and momentum.numel() == 1:
+        return float(momentum)
+    if not isinstance(momentum, numbers.Real):
+        raise TypeError(f"{op}: momentum must be {allowed}, got {type(momentum).__name__} "
+                        f"{momentum!r}; the usual value is 0.1")
+    return float(momentum)
