@@ -44,6 +44,7 @@ from normkit.stats import Moments, Range, merge_rows
 try:  # the optional extra ``fast``
     import numba
 
+    from normkit._numba_cache import can_cache
     from normkit.stats_numba import chan_merge
 except ImportError:  # pragma: no cover - exercised where numba is absent
     numba = None
@@ -100,8 +101,9 @@ def _block_rows(n_features: int, itemsize: int) -> int:
 
 # --------------------------------------------------------------------------- numba kernels
 if numba is not None:
+    CACHE = can_cache(__file__)   # on disk where numba finds a writable folder
 
-    @numba.njit(parallel=True, cache=True, fastmath=False)
+    @numba.njit(parallel=True, cache=CACHE, fastmath=False)
     def _moments_nb(X, shift, w, has_w, chunk_rows, block_rows):  # pragma: no cover - jitted
         n, p = X.shape
         n_chunks = (n + chunk_rows - 1) // chunk_rows
@@ -149,7 +151,7 @@ if numba is not None:
                             bm[j] + br[j] / n_new, bq[j] - br[j] * br[j] / n_new)
         return cnt, mean, m2
 
-    @numba.njit(parallel=True, cache=True, fastmath=False)
+    @numba.njit(parallel=True, cache=CACHE, fastmath=False)
     def _range_nb(X, chunk_rows):  # pragma: no cover - jitted
         n, p = X.shape
         n_chunks = (n + chunk_rows - 1) // chunk_rows
@@ -170,7 +172,7 @@ if numba is not None:
             mx[c, :] = lmx
         return mn, mx
 
-    @numba.njit(parallel=True, cache=True, fastmath=False)
+    @numba.njit(parallel=True, cache=CACHE, fastmath=False)
     def _affine_nb(X, a, b, out, divide, do_clip, lo_clip, hi_clip, chunk_rows):  # pragma: no cover
         """``(x - a) / b`` (``divide``) or ``x * a + b`` per column, in float64, cast once on
         store; optionally clipped; returns the count of infinite inputs."""
@@ -194,7 +196,7 @@ if numba is not None:
         return n_inf.sum()
 
 
-    @numba.njit(cache=True, fastmath=False)
+    @numba.njit(cache=CACHE, fastmath=False)
     def _group_moments_nb(values, groups, n_groups, shift, w, has_w):  # pragma: no cover
         """``Moments.from_groups`` in two passes over the values, the same sums in the same
         order (bit for bit the NumPy path); and the values each group holds, NaN included."""

@@ -30,9 +30,10 @@ Memory is shared with torch, never copied: a kernel sees a tensor's storage by i
 address; 16-bit floats as integers (``half``). Statistics are float32 (float64 for
 float64 inputs), merged across blocks in float64. Each kernel is a serial ``nogil`` loop
 over a range [lo, hi) of independent work items; the C++ plan runs one range per thread
-on torch's OpenMP team. Compiled kernels are cached on disk (``cache=True``, in
-``__pycache__`` of this package or ``NUMBA_CACHE_DIR``); numba keys each to its own source
-file, so ``_cache`` drops them all when any kernel source changed.
+on torch's OpenMP team. Compiled kernels are cached on disk where numba finds a writable
+folder (``NUMBA_CACHE_DIR``, this package's ``__pycache__``, the user's cache folder:
+``normkit._numba_cache``); numba keys each to its own source file, so ``_cache`` drops
+them all when any kernel source changed.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ given input dtypes (float32 and bfloat16 by default; ``all``: the four) now, rat
 at the first calls (1-11 s per entry and dtype on an empty cache). ``make setup`` runs it.
 The entries compile in ``--jobs`` processes (default: one per core), each entry in one
 process for all its dtypes (they share numba's cache index), a BatchNorm entry both
-without and with an activation. Without a compiler it says
-so (the composite torch path then runs every CPU call, and ``make test`` fails at
-once)."""
+without and with an activation. Without a compiler it says so (the composite torch path
+then runs every CPU call, and ``make test`` fails at once); where numba finds no writable
+folder for its cache (``normkit._numba_cache``), it says so and compiles nothing."""
 
 import argparse
 import os
@@ -26,12 +26,17 @@ def main(argv=None) -> int:
     opts = parser.parse_args(argv)
     dtypes = DTYPES if "all" in opts.dtypes else tuple(dict.fromkeys(opts.dtypes))
 
+    from normkit._numba_cache import can_cache
     from normkit.backends.cpu import entries, native, plans
 
     start = time.time()
     ready = native.extension() is not None
     print(f"normkit C++ executor: {'ready' if ready else 'unavailable'} "
           f"({time.time() - start:.0f} s)", flush=True)
+    if not can_cache(entries.__file__):     # compiled now, they would be lost at exit
+        print("normkit CPU kernels: not compiled ahead: numba finds no writable folder to "
+              "cache them; set NUMBA_CACHE_DIR to one", flush=True)
+        return 1
     start = time.time()
     # (spawned, not forked: the parent has loaded torch and its OpenMP runtime)
     with ProcessPoolExecutor(max(1, opts.jobs), mp_context=get_context("spawn")) as pool:

@@ -11,8 +11,9 @@ cached kernels before any is loaded; they are compiled anew on first use.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
+
+from normkit._numba_cache import cache_dir
 
 STAMP = "normkit-kernel-sources.sha1"
 
@@ -65,12 +66,6 @@ def check_package_cache() -> None:
 
     kernels = [p for p in here.glob("*.py") if p.name not in NOT_KERNELS]
     digest = sources_digest(kernels + [Path(shared.__file__)])
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        from numba.core.caching import UserProvidedCacheLocator
-
-        # the folder numba itself picks for this package's files below NUMBA_CACHE_DIR
-        sub = UserProvidedCacheLocator.get_suitable_cache_subpath(str(here / "rows.py"))
-        cache_dir = Path(os.environ["NUMBA_CACHE_DIR"]) / sub
-    else:
-        cache_dir = here / "__pycache__"
-    drop_stale(cache_dir, digest)
+    found = cache_dir(str(here / "rows.py"))   # the folder numba itself picks
+    if found is not None:
+        drop_stale(found, digest)

@@ -39,6 +39,8 @@ from typing import NamedTuple
 from numba import cfunc, types
 from numba.core.compiler_lock import global_compiler_lock
 
+from normkit._numba_cache import can_cache
+
 __all__ = ["SLOTS", "TENSORS", "PER_CALL", "CONSTANTS", "Work", "callback", "constants",
            "float_bits", "parameters", "quiet", "compiled", "cached", "NOTICE_AFTER_S"]
 
@@ -110,8 +112,9 @@ _CALLBACKS = {}
 #: a compilation still running after this many seconds (not a load from numba's cache)
 #: prints ``_NOTICE`` on standard error, once per process
 NOTICE_AFTER_S = 1.0
-_NOTICE = ("normkit: compiling the CPU kernels of this kind of call (1-11 s each, once per "
-           "machine: cached on disk); `python -m normkit.backends.cpu` compiles them ahead")
+_NOTICE = "normkit: compiling the CPU kernels of this kind of call (1-11 s each, {})"
+_CACHED = "once per machine: cached on disk); `python -m normkit.backends.cpu` compiles them ahead"
+_UNCACHED = "in each process: numba finds no writable folder to cache them; set NUMBA_CACHE_DIR)"
 _noticed = threading.Event()
 
 
@@ -123,7 +126,8 @@ def quiet() -> None:
 def _notice() -> None:
     if not _noticed.is_set():
         _noticed.set()
-        print(_NOTICE, file=sys.stderr, flush=True)
+        notice = _NOTICE.format(_CACHED if can_cache(__file__) else _UNCACHED)
+        print(notice, file=sys.stderr, flush=True)
 
 
 def callback(entry, proto, sproto, fused=False):
@@ -145,7 +149,7 @@ def callback(entry, proto, sproto, fused=False):
                 timer.daemon = True
                 timer.start()
                 try:
-                    found = cfunc(_SIGNATURE, cache=True)(_body(entry, proto, sproto, fused))
+                    found = cfunc(_SIGNATURE, cache=can_cache(__file__))(_body(entry, proto, sproto, fused))
                 finally:
                     timer.cancel()
                 _CALLBACKS[key] = found
@@ -167,6 +171,8 @@ def cached(entry, proto, sproto, fused=False) -> bool:
         from numba.core.registry import cpu_target
     except ImportError:
         return True
+    if not can_cache(__file__):               # nowhere to cache: every callback compiles
+        return False
     with global_compiler_lock:
         return FunctionCache(_body(entry, proto, sproto, fused)).load_overload(
             _SIGNATURE, cpu_target.target_context) is not None

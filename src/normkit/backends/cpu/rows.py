@@ -33,6 +33,8 @@ import math
 
 from numba import njit
 
+from normkit._numba_cache import can_cache
+
 from normkit.backends.cpu.half import accumulate, like, load
 from normkit.backends.cpu.moments import split_mean, two_pass
 from normkit.backends.cpu.stores import (fence, store_add, store_affine_per_element,
@@ -44,7 +46,8 @@ from normkit.backends.cpu.stores import (fence, store_add, store_affine_per_elem
 # twice, optimized in two contexts; with re-association the two round differently, and
 # which one runs depended on whether the process compiled the kernels or loaded them from
 # the cache (benchmarks/cache_rounding.py, docs/study.md).
-JIT = dict(cache=True, nogil=True, inline="always")
+# cache: on disk where numba finds a writable folder (normkit._numba_cache)
+JIT = dict(cache=can_cache(__file__), nogil=True, inline="always")
 
 __all__ = ["rows_backward", "rows_forward"]
 
