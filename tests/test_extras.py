@@ -66,3 +66,48 @@ def test_other_errors_pass_through():
     assert _extras.message(error, "x") is None and _extras.needs(error, "x") is error
     assert _extras.message(ModuleNotFoundError("", name="torch.fx"), "x").endswith(
         "pip install 'normkit[torch]'")
+
+
+# a layer's call in a process where BLOCKED is missing, or installed but failing to import
+_KERNELS = """
+import importlib.abc, importlib.util, sys, warnings
+BLOCKED, HOW = sys.argv[1], sys.argv[2]
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] == BLOCKED:
+            if HOW != "broken":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            raise ImportError("Numba needs NumPy 2.3 or less. Got NumPy 2.4.")
+
+sys.meta_path.insert(0, Block())
+if HOW == "absent":                  # not found at all (find_spec None), as pip leaves it
+    find_spec = importlib.util.find_spec
+    importlib.util.find_spec = lambda name, *a: None if name == BLOCKED else find_spec(name, *a)
+import torch
+import normkit.nn as K
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    x = torch.randn(3, 16)
+    y = K.LayerNorm(16)(x)
+    K.LayerNorm(16)(x)
+print("max", float((y - torch.nn.functional.layer_norm(x, (16,))).abs().max()))
+print("warned", [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)])
+"""
+
+
+@pytest.mark.parametrize("blocked,how,warned", [
+    ("numba", "missing", 0), ("triton", "missing", 0), ("triton", "absent", 0),
+    ("numba", "broken", 1)])
+def test_kernels_not_installed_are_left_out_quietly_but_broken_ones_warn(blocked, how,
+                                                                        warned):
+    """Without the extra the composite torch path runs, as documented; an extra that is
+    installed but fails to import (numba refusing a newer NumPy) said nothing before."""
+    r = subprocess.run([sys.executable, "-c", _KERNELS, blocked, how], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert float(r.stdout.split("max ")[1].split()[0]) < 1e-5, r.stdout
+    messages = r.stdout.split("warned ")[1]
+    assert messages.count("kernels failed to import") == warned, r.stdout
+    if warned:
+        assert "Numba needs NumPy" in messages and "normkit[fast]" in messages, r.stdout

@@ -29,7 +29,8 @@ from normkit.backends import fused_kernels_cover
 from normkit.grouping import view_strides
 
 if importlib.util.find_spec("triton") is None:
-    raise ImportError("the GPU backend needs triton: pip install 'normkit[gpu]'")
+    raise ModuleNotFoundError("the GPU backend needs triton: pip install 'normkit[gpu]'",
+                              name="triton")
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
