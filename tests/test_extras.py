@@ -84,10 +84,13 @@ sys.meta_path.insert(0, Block())
 if HOW == "absent":                  # not found at all (find_spec None), as pip leaves it
     find_spec = importlib.util.find_spec
     importlib.util.find_spec = lambda name, *a: None if name == BLOCKED else find_spec(name, *a)
+import numpy as np
 import torch
-import normkit.nn as K
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
+    from normkit.preprocessing import StandardScaler
+    import normkit.nn as K
+    print("std", StandardScaler().fit_transform(np.arange(12.0).reshape(6, 2)).std(0))
     x = torch.randn(3, 16)
     y = K.LayerNorm(16)(x)
     K.LayerNorm(16)(x)
@@ -98,16 +101,18 @@ print("warned", [str(w.message) for w in caught if issubclass(w.category, Runtim
 
 @pytest.mark.parametrize("blocked,how,warned", [
     ("numba", "missing", 0), ("triton", "missing", 0), ("triton", "absent", 0),
-    ("numba", "broken", 1)])
+    ("numba", "broken", 2)])
 def test_kernels_not_installed_are_left_out_quietly_but_broken_ones_warn(blocked, how,
                                                                         warned):
-    """Without the extra the composite torch path runs, as documented; an extra that is
-    installed but fails to import (numba refusing a newer NumPy) said nothing before."""
+    """Without the extra the composite torch path (the scalers' NumPy path) runs, as
+    documented; an extra that is installed but fails to import (numba refusing a newer
+    NumPy) said nothing before."""
     r = subprocess.run([sys.executable, "-c", _KERNELS, blocked, how], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert float(r.stdout.split("max ")[1].split()[0]) < 1e-5, r.stdout
+    assert "std [1. 1.]" in r.stdout, r.stdout
     messages = r.stdout.split("warned ")[1]
-    assert messages.count("kernels failed to import") == warned, r.stdout
+    assert messages.count("kernels failed to import") == warned, r.stdout   # layers, scalers
     if warned:
         assert "Numba needs NumPy" in messages and "normkit[fast]" in messages, r.stdout

@@ -9,12 +9,14 @@ with the extra that installs it, not as a bare ``No module named ...``::
 
 from __future__ import annotations
 
-__all__ = ["EXTRAS", "message", "needs"]
+import warnings
+
+__all__ = ["EXTRAS", "broken", "message", "needs"]
 
 #: each optional top-level module, and the extra of normkit that installs it
 EXTRAS = {"torch": "torch", "numba": "fast", "sklearn": "sklearn", "pyarrow": "io",
           "tqdm": "io", "dask": "dask", "distributed": "dask", "matplotlib": "study",
-          "mnist1d": "study", "triton": "gpu"}
+          "mnist1d": "study", "triton": "gpu", "llvmlite": "fast"}
 
 
 def message(error: ModuleNotFoundError, feature: str) -> str | None:
@@ -33,3 +35,15 @@ def needs(error: ModuleNotFoundError, feature: str) -> ModuleNotFoundError:
     module, or ``error`` itself when that module is not an optional dependency."""
     text = message(error, feature)
     return error if text is None else ModuleNotFoundError(text, name=error.name)
+
+
+def broken(error: ImportError, fast_path: str, instead: str, extra: str) -> None:
+    """For an optional fast path that failed to import with ``error``: nothing where its
+    dependency is not installed (the path is left out, as documented); where it is
+    installed but fails (numba refusing a newer NumPy, say), a RuntimeWarning that names
+    the error, what runs ``instead``, and the extra to reinstall."""
+    if isinstance(error, ModuleNotFoundError) and error.name in EXTRAS:
+        return
+    warnings.warn(f"normkit: {fast_path} failed to import ({type(error).__name__}: {error}); "
+                  f"{instead}. Reinstall the extra: pip install 'normkit[{extra}]'",
+                  RuntimeWarning, stacklevel=3)

@@ -49,16 +49,14 @@ cost").
 from __future__ import annotations
 
 import importlib
-import warnings
 
 import torch
 
+from normkit._extras import broken
 from normkit.backends import torch_ops
 
 # optional fast paths, tried first; each module imports its own JIT lazily
 _OPTIONAL = ("cpu", "gpu")
-_EXTRA = {"cpu": "fast", "gpu": "gpu"}
-_EXTRAS = ("numba", "llvmlite", "triton")     # not installed: those paths are left out
 _loaded = None
 
 
@@ -69,14 +67,9 @@ def _candidates():
         for name in _OPTIONAL:
             try:
                 found.append(importlib.import_module(f"normkit.backends.{name}"))
-            except ImportError as error:
-                if not (isinstance(error, ModuleNotFoundError) and error.name in _EXTRAS):
-                    # installed but broken (numba refusing a newer NumPy, say): not silent
-                    warnings.warn(
-                        f"normkit: its {name} kernels failed to import ({type(error).__name__}"
-                        f": {error}); normalizations there take the slower composite torch "
-                        f"path. Reinstall the extra: pip install 'normkit[{_EXTRA[name]}]'",
-                        RuntimeWarning, stacklevel=2)
+            except ImportError as error:     # not installed: quiet; broken: a warning
+                broken(error, f"its {name} kernels", "normalizations there take the slower "
+                       "composite torch path", "fast" if name == "cpu" else "gpu")
         _loaded = tuple(found)
     return _loaded
 

@@ -46,7 +46,10 @@ try:  # the optional extra ``fast``
 
     from normkit._numba_cache import can_cache
     from normkit.stats_numba import chan_merge
-except ImportError:  # pragma: no cover - exercised where numba is absent
+except ImportError as error:  # not installed: quiet; installed but broken: a warning
+    from normkit._extras import broken
+
+    broken(error, "the scalers' numba kernels", "the scalers take the NumPy path", "fast")
     numba = None
 
 __all__ = [
