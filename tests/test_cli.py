@@ -27,3 +27,13 @@ def test_demo_runs_and_reports_small_differences():
     diffs = [float(line.split()[-2]) for line in res.stdout.splitlines()
              if line.strip().startswith(("BatchNorm2d(", "GroupNorm(", "LayerNorm(", "RMSNorm("))]
     assert len(diffs) == 4 and max(diffs) < 1e-4
+
+
+def test_commands_start_with_docstrings_stripped():
+    """``python -OO`` (PYTHONOPTIMIZE=2) removes docstrings; the commands took their
+    descriptions from them and failed with an AttributeError on None."""
+    for command in (["normkit", "--help"], ["normkit", "scale", "--help"],
+                    ["normkit.backends.cpu", "--help"], ["normkit.conversion.sweep", "--help"]):
+        res = subprocess.run([sys.executable, "-OO", "-m", *command], capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0 and "usage:" in res.stdout, (command, res.stderr[-2000:])

@@ -343,7 +343,7 @@ def _read(out):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m normkit.conversion.sweep",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("models", nargs="*", help="model types (default: all base models)")
     parser.add_argument("--fast", action="store_true", help="only the CI slice: " +
                         " ".join(FAST))

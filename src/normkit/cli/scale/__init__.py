@@ -22,7 +22,7 @@ import sys
 
 def register(subparsers):
     p = subparsers.add_parser("scale", help="fit / apply / invert a feature scaler on CSV or Parquet files",
-                              description=__doc__.split("\n\n")[0])
+                              description=(__doc__ or "").split("\n\n")[0])
     sub = p.add_subparsers(dest="scale_command", metavar="ACTION", required=True)
 
     def common(q):
