@@ -201,11 +201,21 @@ def _sole_builder(folder):
         return
     with held:
         left = folder / "lock"
-        if left.exists():
+        if _lock_file_blocks() and left.exists():
             print(f"normkit: removing {left}, left by a build of the C++ executor that did "
                   f"not finish", file=sys.stderr, flush=True)
             left.unlink(missing_ok=True)
         yield
+
+
+def _lock_file_blocks() -> bool:
+    """Whether torch's build lock is a file whose existence blocks (its ``FileBaton``, up to
+    torch 2.14.0). Later releases hold an OS lock on that file, which stays after every
+    build: removing it there would say "did not finish" at each start, and could take the
+    file from under a live holder."""
+    from torch.utils import cpp_extension
+
+    return hasattr(cpp_extension, "FileBaton")
 
 
 @contextlib.contextmanager
