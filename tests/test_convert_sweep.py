@@ -45,3 +45,30 @@ def test_command_writes_resumable_records_and_summarizes(tmp_path, capsys):
     assert len(out.read_text().splitlines()) == 1
     with pytest.raises(SystemExit):
         sweep.main(["no_such_model", "--out", str(out)])
+
+
+# --- timm's zoo (``--zoo timm``): timm is no dependency of the suite ----------------------
+
+def test_timm_picks_one_small_model_per_family():
+    from normkit.conversion import sweep_timm
+
+    names = ["resnet101", "resnet18", "resnet50", "convnext_base", "convnext_tiny",
+             "convnext_atto", "vit_base_patch16_224", "vit_tiny_patch16_224",
+             "xcit_medium_24_p8_224", "xcit_large_24_p8_224"]
+    assert sweep_timm.pick(names) == ["convnext_atto", "resnet18", "vit_tiny_patch16_224",
+                                      "xcit_large_24_p8_224"]
+
+
+def test_a_timm_model_that_does_not_build_is_not_tested():
+    record = sweep.run_model("no_such_model", "timm")
+    assert record["status"] == "not built" and record["error"], record
+
+
+@pytest.mark.parametrize("name", ["resnet18", "convnext_atto"])
+def test_timm_models_neither_break_nor_differ(name):
+    pytest.importorskip("timm")
+    record = sweep.run_model(name, "timm")
+    assert record["status"] == "tested", record
+    assert record["norms"] > 0 and record["on_normkit"] == record["norms"], record["left"]
+    for step in record["steps"].values():
+        assert "broken" not in step and step.get("different") is False, step

@@ -2,7 +2,8 @@ r"""``python -m normkit.conversion.sweep``: convert every transformers base mode
 and count what breaks, what differs and what stays on torch.
 
 For each model of ``sweep_models.base_models()`` (built from its default config made small,
-``sweep_models.build``), three copies: the untouched fp32 model, a float64 copy of it (the
+``sweep_models.build``; with ``--zoo timm``, one small timm model per family,
+``sweep_timm``), three copies: the untouched fp32 model, a float64 copy of it (the
 reference), and an fp32 copy given to ``normkit.convert``. Two steps run on each, from the
 same inputs and seed:
 
@@ -151,26 +152,48 @@ def _as64(kwargs):
     return {k: v.double() if v.is_floating_point() else v for k, v in kwargs.items()}
 
 
+def _transformers_model(model_type, class_name, record):
+    """The untouched model and its inputs: the first config level and inputs that build
+    and run (``sweep_models``), noted in ``record``; raises the last failure."""
+    from normkit.conversion import sweep_models
+
+    for level, text_only in itertools.product(sweep_models.LEVELS, (False, True)):
+        try:
+            untouched = sweep_models.build(model_type, class_name, level=level)
+        except Exception as err:  # noqa: BLE001 -- the next level may build
+            error = err
+            continue
+        try:
+            kwargs = sweep_models.inputs(untouched, text_only=text_only)
+            _step(untouched, kwargs, "eval")
+        except Exception as err:  # noqa: BLE001
+            record["level"], error = None, err    # (built: "untouched fails")
+            continue
+        record.update(level=level, text_only=text_only)
+        return untouched, kwargs
+    raise error
+
+
 def run_model(model_type, class_name):
     """The sweep's record of one model (a dict; see the module docstring)."""
     import normkit
-    from normkit.conversion import NO_NORMALIZATION, sweep_models
+    from normkit.conversion import NO_NORMALIZATION
     from normkit.conversion.classes import qualified
 
     record = {"model": model_type, "class": class_name}
     stage = "not built"
-    for level, text_only in itertools.product(sweep_models.LEVELS, (False, True)):
-        try:                                # the first config and inputs that build and run
-            untouched = sweep_models.build(model_type, class_name, level=level)
-            kwargs = sweep_models.inputs(untouched, text_only=text_only)
+    try:
+        if class_name == "timm":             # one model, one input (sweep_timm)
+            from normkit.conversion import sweep_timm
+
+            untouched = sweep_timm.build(model_type)
+            kwargs = sweep_timm.inputs(untouched)
             _step(untouched, kwargs, "eval")
-            break
-        except Exception as err:  # noqa: BLE001 -- any failure of the untouched: not tested
-            stage = "untouched fails" if "untouched" in locals() else stage
-            error = f"{type(err).__name__}: {err}"[:300]
-    else:
-        return dict(record, status=stage, error=error)
-    record.update(level=level, text_only=text_only)
+        else:
+            untouched, kwargs = _transformers_model(model_type, class_name, record)
+    except Exception as err:  # noqa: BLE001 -- any failure of the untouched: not tested
+        stage = "untouched fails" if "untouched" in locals() or "level" in record else stage
+        return dict(record, status=stage, error=f"{type(err).__name__}: {err}"[:300])
     converted = copy.deepcopy(untouched)
     norms = _norm_modules(untouched)
     report = normkit.convert(converted)
@@ -235,14 +258,15 @@ def _child(model_type, class_name, conn):
 def _warm(todo):
     """Import every model class and run normkit's ops once in the parent, so that each
     forked child starts with both done (about 4 s each otherwise)."""
-    import transformers
-
     import normkit.nn as nknn
 
     torch.set_num_threads(1)
     for _, class_name in todo:
         try:
-            getattr(transformers, class_name)
+            if class_name != "timm":
+                import transformers
+
+                getattr(transformers, class_name)
         except Exception:  # noqa: BLE001 -- the child reports it
             pass
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
@@ -345,10 +369,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m normkit.conversion.sweep",
                                      description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("models", nargs="*", help="model types (default: all base models)")
+    parser.add_argument("--zoo", choices=("transformers", "timm"), default="transformers",
+                        help="transformers' base models, or one small timm model per "
+                             "family (sweep_timm)")
     parser.add_argument("--fast", action="store_true", help="only the CI slice: " +
                         " ".join(FAST))
-    parser.add_argument("--out", default="convert-sweep.jsonl",
-                        help="JSON-lines results, appended to and resumed from")
+    parser.add_argument("--out", default=None,
+                        help="JSON-lines results, appended to and resumed from "
+                             "(convert-sweep.jsonl; convert-sweep-timm.jsonl for timm)")
     parser.add_argument("--fresh", action="store_true", help="discard earlier results")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model")
@@ -356,17 +384,27 @@ def main(argv=None):
                         help="start no model after this many seconds")
     parser.add_argument("--summary", action="store_true", help="only print the summary")
     args = parser.parse_args(argv)
-    import transformers  # noqa: F401 -- imported once, before the children fork
+    timm = args.zoo == "timm"
+    args.out = args.out or ("convert-sweep-timm.jsonl" if timm else "convert-sweep.jsonl")
+    if timm:
+        import timm as _  # noqa: F401 -- imported once, before the children fork
 
-    from normkit.conversion import sweep_models
+        from normkit.conversion import sweep_timm
 
-    everything = sweep_models.base_models()
-    wanted = set(args.models) | (set(FAST) if args.fast else set())
+        everything = sweep_timm.models()
+    else:
+        import transformers  # noqa: F401 -- imported once, before the children fork
+
+        from normkit.conversion import sweep_models
+
+        everything = sweep_models.base_models()
+    wanted = set(args.models) | (set(FAST) if args.fast and not timm else set())
     if wanted:
         unknown = wanted - {t for t, _ in everything}
         if unknown:
-            parser.error(f"unknown model type(s) {sorted(unknown)}; transformers' base "
-                         f"models are the keys of MODEL_MAPPING_NAMES")
+            parser.error(f"unknown model(s) {sorted(unknown)}; " + (
+                "the sweep takes one timm model per family (sweep_timm.pick)" if timm else
+                "transformers' base models are the keys of MODEL_MAPPING_NAMES"))
         everything = [(t, n) for t, n in everything if t in wanted]
     if args.fresh and os.path.exists(args.out):
         os.remove(args.out)
