@@ -78,15 +78,43 @@ def _fails_on_this_scikit_learn(estimator):
                           MinMaxScaler(), MinMaxScaler(feature_range=(-2, 3), clip=True)],
                          expected_failed_checks=_fails_on_this_scikit_learn)
 def test_sklearn_estimator_checks(estimator, check):
+    if _needs_a_missing_gpu(check):
+        pytest.skip("a CUDA array API check on a machine without a GPU")
     check(estimator)
 
 
+def _needs_a_missing_gpu(check) -> bool:
+    """Whether ``check`` is one of scikit-learn's array API checks on CUDA where torch has
+    no GPU: it runs them wherever torch is *built* with CUDA (a PyPI wheel on a CPU-only
+    machine), and they fail in ``torch.asarray``, for its own scalers as for ours."""
+    keywords = getattr(check, "keywords", {})
+    devices = {keywords.get("device_name")} | {getattr(v, "device", None)
+                                                for v in keywords.values()}
+    if "cuda" not in devices:
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def test_estimator_checks_numpy_path(monkeypatch):
-    from sklearn.utils.estimator_checks import check_estimator
+    from unittest import SkipTest
+
+    from sklearn.utils.estimator_checks import estimator_checks_generator
 
     monkeypatch.setattr(_kernels, "USE_NUMBA", False)
+    ran = 0
     for est in (StandardScaler(), MinMaxScaler()):
-        check_estimator(est, expected_failed_checks=_fails_on_this_scikit_learn(est))
+        for e, check in estimator_checks_generator(
+                est, expected_failed_checks=_fails_on_this_scikit_learn(est), mark="skip"):
+            if _needs_a_missing_gpu(check):
+                continue
+            try:
+                check(e)
+                ran += 1
+            except SkipTest:          # (as check_estimator: a library or device missing)
+                pass
+    assert ran > 50
 
 
 # --------------------------------------------------------------------------- vs scikit-learn
