@@ -113,8 +113,10 @@ _CALLBACKS = {}
 #: prints ``_NOTICE`` on standard error, once per process
 NOTICE_AFTER_S = 1.0
 _NOTICE = "normkit: compiling the CPU kernels of this kind of call (1-11 s each, {}"
-_CACHED = "once per machine: cached on disk); `python -m normkit.backends.cpu` compiles them ahead"
-_UNCACHED = "in each process: numba finds no writable folder to cache them; set NUMBA_CACHE_DIR)"
+_CACHED = ("once per machine: cached on disk); `python -m normkit.backends.cpu` compiles "
+           "them ahead")
+_UNCACHED = ("in each process: numba finds no writable folder to cache them; set "
+             "NUMBA_CACHE_DIR)")
 _noticed = threading.Event()
 
 
@@ -149,7 +151,8 @@ def callback(entry, proto, sproto, fused=False):
                 timer.daemon = True
                 timer.start()
                 try:
-                    found = cfunc(_SIGNATURE, cache=can_cache(__file__))(_body(entry, proto, sproto, fused))
+                    body = _body(entry, proto, sproto, fused)
+                    found = cfunc(_SIGNATURE, cache=can_cache(__file__))(body)
                 finally:
                     timer.cancel()
                 _CALLBACKS[key] = found

@@ -209,8 +209,8 @@ def _sole_builder(folder):
 
 
 def _lock_file_blocks() -> bool:
-    """Whether torch's build lock is a file whose existence blocks (its ``FileBaton``, up to
-    torch 2.14.0). Later releases hold an OS lock on that file, which stays after every
+    """Whether torch's build lock is a file whose existence blocks (its ``FileBaton``: 2.13
+    has it). 2.14.1 and 2.15.0 hold an OS lock on that file instead, which stays after every
     build: removing it there would say "did not finish" at each start, and could take the
     file from under a live holder."""
     from torch.utils import cpp_extension

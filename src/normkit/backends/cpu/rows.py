@@ -34,7 +34,6 @@ import math
 from numba import njit
 
 from normkit._numba_cache import can_cache
-
 from normkit.backends.cpu.half import accumulate, like, load
 from normkit.backends.cpu.moments import split_mean, two_pass
 from normkit.backends.cpu.stores import (fence, store_add, store_affine_per_element,
