@@ -46,9 +46,10 @@ def _check_running(op, running_mean, running_var):
     if (running_mean is None) != (running_var is None):
         given, missing = (("running_mean", "running_var") if running_var is None else
                           ("running_var", "running_mean"))
-        raise ValueError(f"running_mean and running_var must either both be None or neither be "
-                    f"None: {op} got {given} but {missing}=None; pass both (a layer's "
-                    f"buffers), or neither to normalize with the batch's statistics only")
+        raise ValueError(f"running_mean and running_var must either both be None or neither "
+                         f"be None: {op} got {given} but {missing}=None; pass both (a "
+                         f"layer's buffers), or neither to normalize with the batch's "
+                         f"statistics only")
 
 
 def _momentum(op, momentum, allowed="a number") -> float:

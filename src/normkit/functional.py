@@ -25,8 +25,8 @@ except ModuleNotFoundError as error:   # (an optional dependency)
     raise needs(error, "normkit.functional") from None
 
 from normkit import backends, ops
-from normkit._checks import _check_channels, _check_floating, _check_running, _momentum, _size
 from normkit import grouping as G
+from normkit._checks import _check_channels, _check_floating, _check_running, _momentum, _size
 from normkit.activation import resolve
 from normkit.ops import add_norm, apply_norm, cast_norm
 from normkit.backends import torch_ops

@@ -152,26 +152,44 @@ def _as64(kwargs):
     return {k: v.double() if v.is_floating_point() else v for k, v in kwargs.items()}
 
 
+class _NotTested(Exception):
+    """The untouched model did not build (``args[0]`` "not built") or not run ("untouched
+    fails"); ``args[1]``: the last error, as text."""
+
+
 def _transformers_model(model_type, class_name, record):
     """The untouched model and its inputs: the first config level and inputs that build
-    and run (``sweep_models``), noted in ``record``; raises the last failure."""
+    and run (``sweep_models``), noted in ``record``."""
     from normkit.conversion import sweep_models
 
+    stage = "not built"
     for level, text_only in itertools.product(sweep_models.LEVELS, (False, True)):
         try:
             untouched = sweep_models.build(model_type, class_name, level=level)
-        except Exception as err:  # noqa: BLE001 -- the next level may build
-            error = err
-            continue
-        try:
+            stage = "untouched fails"
             kwargs = sweep_models.inputs(untouched, text_only=text_only)
             _step(untouched, kwargs, "eval")
-        except Exception as err:  # noqa: BLE001
-            record["level"], error = None, err    # (built: "untouched fails")
+        except Exception as err:  # noqa: BLE001 -- any failure of the untouched: not tested
+            error = f"{type(err).__name__}: {err}"[:300]
             continue
         record.update(level=level, text_only=text_only)
         return untouched, kwargs
-    raise error
+    raise _NotTested(stage, error)
+
+
+def _timm_model(name, _class_name, _record):
+    """The untouched timm model and its input (``sweep_timm``)."""
+    from normkit.conversion import sweep_timm
+
+    stage = "not built"
+    try:
+        untouched = sweep_timm.build(name)
+        stage = "untouched fails"
+        kwargs = sweep_timm.inputs(untouched)
+        _step(untouched, kwargs, "eval")
+    except Exception as err:  # noqa: BLE001 -- any failure of the untouched: not tested
+        raise _NotTested(stage, f"{type(err).__name__}: {err}"[:300]) from None
+    return untouched, kwargs
 
 
 def run_model(model_type, class_name):
@@ -181,19 +199,11 @@ def run_model(model_type, class_name):
     from normkit.conversion.classes import qualified
 
     record = {"model": model_type, "class": class_name}
-    stage = "not built"
+    make = _timm_model if class_name == "timm" else _transformers_model
     try:
-        if class_name == "timm":             # one model, one input (sweep_timm)
-            from normkit.conversion import sweep_timm
-
-            untouched = sweep_timm.build(model_type)
-            kwargs = sweep_timm.inputs(untouched)
-            _step(untouched, kwargs, "eval")
-        else:
-            untouched, kwargs = _transformers_model(model_type, class_name, record)
-    except Exception as err:  # noqa: BLE001 -- any failure of the untouched: not tested
-        stage = "untouched fails" if "untouched" in locals() or "level" in record else stage
-        return dict(record, status=stage, error=f"{type(err).__name__}: {err}"[:300])
+        untouched, kwargs = make(model_type, class_name, record)
+    except _NotTested as err:
+        return dict(record, status=err.args[0], error=err.args[1])
     converted = copy.deepcopy(untouched)
     norms = _norm_modules(untouched)
     report = normkit.convert(converted)

@@ -131,7 +131,7 @@ class _BatchNorm(KeptPlan, NormBase):
             tracked = self.num_batches_tracked       # (a buffer: each read costs ~1 us)
             if tracked is not None:
                 tracked.add_(1)
-                if self.momentum is None:
+                if momentum is None:
                     factor = 1.0 / float(tracked)
         return factor
 
