@@ -100,3 +100,12 @@ def test_dask_errors(client):
     bad[3, 1] = np.inf
     with pytest.raises(ValueError, match="infinity"):
         StandardScaler().fit(da.from_array(bad, chunks=10))
+    # weights of the blocks are checked where they are read: before, a NaN weight left its
+    # block of rows out of the statistics without a word, an infinite one was called
+    # "infinity in X"
+    w = np.ones(X.shape[0])
+    for value, text in ((np.nan, "NaN or infinite"), (np.inf, "NaN or infinite"),
+                        (-1.0, "negative")):
+        w[13] = value
+        with pytest.raises(ValueError, match=text):
+            StandardScaler().fit(da.from_array(X, chunks=10), sample_weight=w)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import tracemalloc
+import warnings
 from fractions import Fraction
 
 import numpy as np
@@ -186,6 +187,51 @@ def test_sample_weight_matches_sklearn(backend, dtype):
     # scikit-learn gives with centering; without it, it counts samples
     bare = StandardScaler(with_mean=False, with_std=False).fit(X, sample_weight=w)
     np.testing.assert_allclose(bare.n_samples_seen_, ref.n_samples_seen_, rtol=1e-5)
+
+
+def test_weights_that_count_nothing_are_refused(backend):
+    """A negative weight (which scikit-learn 1.9 takes into its sums) is refused: the
+    kernels take weights as counts, and before a block of rows whose weights summed to
+    <= 0 was left out without a word (NaN statistics for all-negative weights)."""
+    X = make_data((60, 3), np.float64)
+    import scipy.sparse as sp
+
+    w = np.ones(60)
+    w[7] = -0.5
+    for fit in (StandardScaler().fit, StandardScaler().partial_fit,
+                StandardScaler(with_mean=False).fit):
+        with pytest.raises(ValueError, match=r"1 negative value\(s\) \(the smallest -0.5, at row 7\)"):
+            fit(X, sample_weight=w)
+        with pytest.raises(ValueError, match="negative"):
+            fit(X, sample_weight=-np.ones(60))
+    with pytest.raises(ValueError, match="negative"):
+        StandardScaler(with_mean=False).fit(sp.csr_matrix(X), sample_weight=w)
+    with pytest.raises(ValueError, match="sample_weight contains NaN"):      # scikit-learn's
+        StandardScaler().fit(X, sample_weight=np.r_[np.nan, np.ones(59)])
+    # zero weights leave rows out, as in scikit-learn
+    w[7] = 0.0
+    ref = skp.StandardScaler().fit(X, sample_weight=w)
+    np.testing.assert_allclose(StandardScaler().fit(X, sample_weight=w).var_, ref.var_, rtol=1e-12)
+
+
+def test_finite_values_whose_squares_overflow_are_named_so():
+    """Values beyond about 1e154 are finite, but their variance is not a float64:
+    scikit-learn's statistics come out NaN; normkit refuses, and says it is an overflow,
+    not an infinity in X (which it said before)."""
+    X = np.random.default_rng(0).normal(size=(50, 3))
+    X[:, 1] *= 1e200
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert np.isnan(skp.StandardScaler().fit(X).var_[1])
+    with pytest.raises(ValueError, match=r"variance of features \[1\] overflows float64 in fit") as info:
+        StandardScaler().fit(X)
+    assert "infinity" not in str(info.value)
+    np.testing.assert_allclose(StandardScaler().fit(X / 1e200).scale_[1],
+                               skp.StandardScaler().fit(X / 1e200).scale_[1], rtol=1e-12)
+    X[4, 2] = -np.inf           # an infinity in X: named so, by feature (no count of values)
+    for scaler in (StandardScaler(with_mean=False), MinMaxScaler()):
+        with pytest.raises(ValueError, match=r"contains infinity in fit \(features \[1\]\)"):
+            scaler.fit(X[:, [0, 2]])
 
 
 def test_fit_transform_and_twins_match_sklearn(backend):

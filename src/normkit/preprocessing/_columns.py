@@ -1,5 +1,6 @@
 """Column helpers shared by the scalers and their Dask path: which columns are numeric,
-where each column's statistics are shifted to, whether an input is a Dask collection."""
+where each column's statistics are shifted to, whether an input is a Dask collection, and
+the check of the row weights."""
 
 from __future__ import annotations
 
@@ -49,3 +50,24 @@ def first_finite(X):
         if not todo.size:
             break
     return shift
+
+
+def check_weights(w):
+    """``w`` as float64, refused with a ValueError where a weight is NaN, infinite or
+    negative. The moments take the weights as counts: a row of weight w counts w times. A
+    negative weight is no count (it can make a variance negative), and a NaN or infinite
+    one no number to count with. scikit-learn 1.9 refuses NaN and infinity in
+    ``sample_weight`` and takes negative weights into its sums."""
+    w = np.asarray(w, dtype=np.float64)
+    bad = ~np.isfinite(w)
+    if bad.any():
+        raise ValueError(f"sample_weight holds {int(bad.sum())} NaN or infinite value(s) (the "
+                         f"first at row {int(np.argmax(bad))}: {w[bad][0]}); every weight must "
+                         "be a finite number >= 0.")
+    if (w < 0).any():
+        neg = w < 0
+        raise ValueError(f"sample_weight holds {int(neg.sum())} negative value(s) (the smallest "
+                         f"{float(w.min())}, at row {int(np.argmin(w))}); StandardScaler counts a row "
+                         "of weight w as w samples, so every weight must be >= 0. Use 0 to "
+                         "leave a row out.")
+    return w

@@ -20,7 +20,7 @@ import dask
 import dask.array as da
 
 from normkit.preprocessing import _kernels
-from normkit.preprocessing._columns import first_finite, non_numeric_columns
+from normkit.preprocessing._columns import check_weights, first_finite, non_numeric_columns
 from normkit.stats import merge_all
 
 __all__ = ["fit_moments", "fit_range", "transform"]
@@ -41,7 +41,7 @@ def _float_block(block):
 
 def _block_moments(block, weights):
     X = _float_block(block)
-    w = None if weights is None else np.asarray(weights, dtype=np.float64)
+    w = None if weights is None else check_weights(weights)
     return _kernels.column_moments(X, first_finite(X), w)
 
 

@@ -43,7 +43,7 @@ from sklearn.utils.validation import _check_sample_weight, check_is_fitted, vali
 
 from normkit.preprocessing import _kernels, _persist, _sparse
 from normkit.preprocessing._array_api import dispatch, host
-from normkit.preprocessing._columns import first_finite, is_dask, non_numeric_columns
+from normkit.preprocessing._columns import check_weights, first_finite, is_dask, non_numeric_columns
 from normkit.stats import Moments, Range
 
 __all__ = ["MinMaxScaler", "StandardScaler", "min_max_scale", "standard_score"]
@@ -76,9 +76,11 @@ def _validate(est, X, *, reset, in_place=False, accept_sparse=False):
         ) from exc
 
 
-def _raise_inf(est, n_inf, where):
+def _raise_inf(est, where, n_inf=None):
+    """Refuse infinity in X, with the count of values where it is known."""
+    count = "" if n_inf is None else f" ({n_inf} value{'s' if n_inf != 1 else ''})"
     raise ValueError(
-        f"Input X contains infinity ({n_inf} value{'s' if n_inf != 1 else ''}) in {where}; "
+        f"Input X contains infinity{count} in {where}; "
         f"{type(est).__name__} ignores NaN but cannot scale infinite values. Replace them, e.g. "
         "X[np.isinf(X)] = np.nan (NaN is ignored in fit and kept in transform)."
     )
@@ -90,7 +92,7 @@ def _out_array(est, X, copy):
         return np.empty_like(X)
     n_inf = int(np.isinf(X).sum())  # refuse before writing anything in place
     if n_inf:
-        _raise_inf(est, n_inf, "transform")
+        _raise_inf(est, "transform", n_inf)
     return X
 
 
@@ -201,7 +203,7 @@ class StandardScaler(_ScalerBase):
             _sparse.refuse_centering(self, "fit")
         weights = None
         if sample_weight is not None:
-            weights = _check_sample_weight(sample_weight, X, dtype=np.float64)
+            weights = check_weights(_check_sample_weight(sample_weight, X, dtype=np.float64))
         self._update_moments(self._batch_moments(X, weights), weights is not None, "fit")
         return self
 
@@ -218,9 +220,15 @@ class StandardScaler(_ScalerBase):
 
     def _update_moments(self, new: Moments, weighted: bool, where: str):
         """Check a batch's moments for infinity, merge them in, and set the attributes."""
-        bad = (new.count > 0) & ~(np.isfinite(new.mean) & np.isfinite(new.m2))
+        mean_ok = np.isfinite(new.mean)
+        bad = (new.count > 0) & ~(mean_ok & np.isfinite(new.m2))
+        if (bad & mean_ok).any():       # finite values whose squares overflow
+            raise ValueError(
+                f"The variance of features {np.flatnonzero(bad & mean_ok).tolist()} overflows "
+                f"float64 in {where}: their values reach beyond about 1e154, whose squares "
+                "pass float64's largest number, 1.8e308. Divide X by a power of ten first.")
         if bad.any():
-            _raise_inf(self, int(bad.sum()), f"{where} (features {np.flatnonzero(bad).tolist()})")
+            _raise_inf(self, f"{where} (features {np.flatnonzero(bad).tolist()})")
         old = getattr(self, "_moments", None)
         if old is None:
             moments = new
@@ -292,7 +300,7 @@ class StandardScaler(_ScalerBase):
             _sparse.refuse_centering(self, where)
         n_inf = int(np.isinf(X.data).sum())
         if n_inf:
-            _raise_inf(self, n_inf, where)
+            _raise_inf(self, where, n_inf)
         return _sparse.scale_columns(X, host(self.scale_), inverse, copy)
 
     def _apply(self, X, out, inverse):
@@ -303,7 +311,7 @@ class StandardScaler(_ScalerBase):
         else:
             n_inf = _kernels.subtract_divide(X, sub, div, out)
         if n_inf:
-            _raise_inf(self, n_inf, "inverse_transform" if inverse else "transform")
+            _raise_inf(self, "inverse_transform" if inverse else "transform", n_inf)
         return out
 
     def __sklearn_tags__(self):
@@ -422,7 +430,7 @@ class MinMaxScaler(_ScalerBase):
         empty = np.isnan(new.min)
         bad = ~empty & ~(np.isfinite(new.min) & np.isfinite(new.max))
         if bad.any():
-            _raise_inf(self, int(bad.sum()), f"{where} (features {np.flatnonzero(bad).tolist()})")
+            _raise_inf(self, f"{where} (features {np.flatnonzero(bad).tolist()})")
         if hasattr(self, "n_samples_seen_"):
             new = Range(host(self.data_min_), host(self.data_max_)).merge(new)
             n_rows = n_rows + self.n_samples_seen_
@@ -469,7 +477,7 @@ class MinMaxScaler(_ScalerBase):
             clip = self._range_bounds() if self.clip else None
             n_inf = _kernels.multiply_add(X, host(self.scale_), host(self.min_), out, clip=clip)
         if n_inf:
-            _raise_inf(self, n_inf, "inverse_transform" if inverse else "transform")
+            _raise_inf(self, "inverse_transform" if inverse else "transform", n_inf)
         return out
 
     def _get_state(self):
