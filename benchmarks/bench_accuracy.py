@@ -8,7 +8,11 @@ element per unit (300 among N(0, 1); the element the kernels once shifted by). T
 mode (batch statistics), and BatchNorm in eval with running statistics at the data's
 offset. docs/architecture.md ("Autograd and precision") quotes it.
 
-    PYTHONPATH=src python benchmarks/bench_accuracy.py [--threads 2]
+``--long``: forward and backward over long rows, planes and channels instead (millions of
+elements per statistic, one sample on channels_last), the largest error of y, dx and
+dweight relative to the largest exact value.
+
+    PYTHONPATH=src python benchmarks/bench_accuracy.py [--threads 2] [--long]
 """
 
 from __future__ import annotations
@@ -84,12 +88,60 @@ def _ops(gen):
             ("batch_norm (N, C)", (256, C), bn, (w, b), first_of_rows)]
 
 
+def _long_cases():
+    def bn(f, x, w):
+        return f.batch_norm(x, None, None, w, training=True)
+
+    return [("instance_norm", (1, 8, 2048, 2048), False,
+             lambda f, x, w: f.instance_norm(x, weight=w)),
+            ("group_norm(32)", (1, 128, 1024, 1024), False,
+             lambda f, x, w: f.group_norm(x, 32, w)),
+            ("batch_norm", (2, 4, 2048, 2048), False, bn),
+            ("layer_norm", (4, 1 << 20), False, lambda f, x, w: f.layer_norm(x, (1 << 20,), w)),
+            ("batch_norm (N, C)", (1 << 22, 8), False, bn),
+            ("batch_norm", (8, 16, 1024, 1024), True, bn),
+            ("group_norm(4)", (1, 16, 1024, 1024), True, lambda f, x, w: f.group_norm(x, 4, w)),
+            ("instance_norm", (1, 16, 64, 64), True,
+             lambda f, x, w: f.instance_norm(x, weight=w))]
+
+
+def _long(gen):
+    print(f"{'op':18s} {'shape':20s} {'layout':14s} {'normkit y / dx / dweight':>26s} "
+          f"{'torch y / dx / dweight':>26s}")
+    for name, shape, channels_last, fn in _long_cases():
+        x = torch.randn(shape, generator=gen) + 0.5
+        dy = torch.randn(shape, generator=gen)
+        if channels_last:
+            x, dy = (t.to(memory_format=torch.channels_last) for t in (x, dy))
+        w = torch.rand(shape[-1] if name == "layer_norm" else shape[1], generator=gen) + 0.5
+        runs = []
+        for f, dtype in ((F, torch.float64), (NF, torch.float32), (F, torch.float32)):
+            # the exact run in NCHW: torch 2.13's float64 instance_norm backward of one
+            # channels_last sample is wrong (tests/test_cpu_channels_last.py)
+            exact = dtype == torch.float64
+            xi = (x.double().contiguous() if exact else x).detach().requires_grad_()
+            wi = w.to(dtype).detach().requires_grad_()
+            y = fn(f, xi, wi)
+            y.backward(dy.double().contiguous() if exact else dy)
+            runs.append([t.detach().double() for t in (y, xi.grad, wi.grad)])
+            del y, xi, wi
+        exact = runs[0]
+        cells = [" / ".join(f"{((g - e).abs().max() / e.abs().max()).item():.1e}"
+                            for g, e in zip(run, exact)) for run in runs[1:]]
+        layout = "channels_last" if channels_last else "contiguous"
+        print(f"{name:18s} {str(shape):20s} {layout:14s} {cells[0]:>26s} {cells[1]:>26s}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--long", action="store_true", help="long rows, planes and channels")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     gen = torch.Generator().manual_seed(0)
+    if opts.long:
+        _long(gen)
+        return
     print(f"{'op':18s} {'layout':14s} {'data':12s} {'normkit max/rms':>16s} "
           f"{'torch max/rms':>16s}")
     for name, shape, fn, (w, b), unit_first in _ops(gen):

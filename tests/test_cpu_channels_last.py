@@ -108,3 +108,35 @@ def test_batch_norm_rows_of_channels_same_bits_on_any_threads(shape, node, dtype
     want = cases.run(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), x, w,
                      b, dy)
     cases.check_against_torch(results[1], want, dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 5, 5), (1, 16, 24, 24), (2, 16, 24, 24)], ids=str)
+def test_instance_norm_of_channels_last_gradients(shape):
+    """InstanceNorm of channels_last input with a channels_last gradient (what autograd
+    hands back through a channels_last model), one sample among them: y, dx and dweight
+    against float64 autograd of the formula. torch 2.13's ``F.instance_norm`` gets this
+    backward wrong for one sample (dx off by more than 100 %), so torch is no oracle here."""
+    import normkit.functional as NF
+
+    gen = torch.Generator().manual_seed(0)
+    x, dy = (torch.randn(shape, generator=gen).to(memory_format=torch.channels_last)
+             for _ in range(2))
+    w, b = torch.rand(shape[1], generator=gen) + 0.5, torch.randn(shape[1], generator=gen)
+
+    def formula(x, w, b):
+        mean = x.mean((2, 3), keepdim=True)
+        var = x.var((2, 3), keepdim=True, unbiased=False)
+        return (x - mean) / torch.sqrt(var + 1e-5) * w.view(1, -1, 1, 1) + b.view(1, -1, 1, 1)
+
+    def run(fn, dtype):
+        xi, wi = (t.to(dtype).detach().requires_grad_() for t in (x, w))
+        y = fn(xi, wi, b.to(dtype))
+        y.backward(dy.to(dtype))
+        return [t.detach().double() for t in (y, xi.grad, wi.grad)]
+
+    want = run(formula, torch.float64)
+    for got in (run(lambda x, w, b: NF.instance_norm(x, weight=w, bias=b), torch.float32),
+                run(lambda x, w, b: NF.instance_norm(x, weight=w, bias=b), torch.float64)):
+        for name, g, e in zip(("y", "dx", "dweight"), got, want):
+            err = ((g - e).abs().max() / e.abs().max()).item()
+            assert err < 1e-6, f"{shape} {name}: relative error {err:.1e}"

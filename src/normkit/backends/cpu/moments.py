@@ -19,10 +19,11 @@ A row of LayerNorm/RMSNorm is one block: its moments are ``two_pass``.
 from __future__ import annotations
 
 import numpy as np
-from numba.extending import register_jitable
+from numba import types
+from numba.extending import overload, register_jitable
 
 from normkit.backends.cpu.act_stores import ACT_SILU, clamp_grad, silu_grad
-from normkit.backends.cpu.half import accumulate, like, load
+from normkit.backends.cpu.half import SUM_RUN, accumulate, like, load
 from normkit.backends.cpu.stores import prefetch_lines
 from normkit.backends.cpu.tuning import AHEAD_BYTES, AHEAD_FROM_BYTES
 from normkit.stats_numba import chan_merge
@@ -33,15 +34,27 @@ __all__ = ["cl_range_grad_sums", "cl_range_moments", "fold_lanes", "grad_lanes",
 
 # ---- rows and NCHW planes ------------------------------------------------------------
 
-@register_jitable(inline="always")   # inlined: see cpu.rows.JIT
-def two_pass(xs, inv_n, sdt, center):
+def two_pass(xs, inv_n, sdt, center, runs):
     """``(estimate, correction, M2)`` of a row or plane xs: (n,) in the dtype of the array
     sdt, inv_n = 1 / n: the first pass's mean (the estimate), then the deviations from it
     (xs still in L1), whose mean corrects it: the mean is ``estimate + correction`` and
     ``M2 = sum(d^2) - sum(d)^2 / n`` (the corrected two-pass; ``split_mean`` keeps the
     sum whole). The deviations are exact for data far from zero with a small spread, and
     no element is trusted to lie near the others (an outlier as the shift rounded every
-    ``x - x0`` at its size). Without ``center`` (RMSNorm): (0, 0, sum(x^2))."""
+    ``x - x0`` at its size). Without ``center`` (RMSNorm): (0, 0, sum(x^2)).
+
+    ``runs``: ``SUM_RUN``, each sum taken in runs of that many elements added in
+    float64; None (chosen when compiling), xs is at most ``SUM_RUN`` long and each sum is
+    one run. (The runs' loops in the body of the rows' kernel, taken or not, made short
+    rows 5-10 % slower: the kernel compiles a loop of rows for each.)"""
+
+
+@overload(two_pass, inline="always")   # inlined: see cpu.rows.JIT
+def _two_pass_impl(xs, inv_n, sdt, center, runs):
+    return _two_pass_whole if isinstance(runs, types.NoneType) else _two_pass_runs
+
+
+def _two_pass_whole(xs, inv_n, sdt, center, runs):
     zero = like(sdt, 0.0)
     if not center:
         q = zero
@@ -58,6 +71,42 @@ def two_pass(xs, inv_n, sdt, center):
         d = load(xs, i) - estimate
         sd = accumulate(sd, d)
         q = accumulate(q, d * d)
+    correction = sd * inv_n
+    return estimate, correction, q - sd * correction
+
+
+def _two_pass_runs(xs, inv_n, sdt, center, runs):
+    zero = like(sdt, 0.0)
+    n = xs.shape[0]
+    if not center:
+        q64 = 0.0
+        for lo in range(0, n, runs):
+            run = xs[lo:lo + runs]
+            qr = zero
+            for i in range(run.shape[0]):
+                v = load(run, i)
+                qr = accumulate(qr, v * v)
+            q64 += np.float64(qr)
+        return zero, zero, like(sdt, q64)
+    s64 = 0.0
+    for lo in range(0, n, runs):
+        run = xs[lo:lo + runs]
+        sr = zero
+        for i in range(run.shape[0]):
+            sr = accumulate(sr, load(run, i))
+        s64 += np.float64(sr)
+    estimate = like(sdt, s64) * inv_n
+    sd64, q64 = 0.0, 0.0
+    for lo in range(0, n, runs):                                   # from L1
+        run = xs[lo:lo + runs]
+        sr, qr = zero, zero
+        for i in range(run.shape[0]):
+            d = load(run, i) - estimate
+            sr = accumulate(sr, d)
+            qr = accumulate(qr, d * d)
+        sd64 += np.float64(sr)
+        q64 += np.float64(qr)
+    sd, q = like(sdt, sd64), like(sdt, q64)
     correction = sd * inv_n
     return estimate, correction, q - sd * correction
 
@@ -84,12 +133,19 @@ def _plane_shifted(xb, x0, mean_x0, inv_s, sdt):
     """(mean - x0, M2) of the plane xb: (S,) in one pass of the sums of d = x - k and
     d*d, with the shift k = x0 + mean_x0 (the running mean of the planes before it)."""
     k = like(sdt, x0 + mean_x0)
-    s = like(sdt, 0.0)
-    q = like(sdt, 0.0)
-    for i in range(xb.shape[0]):
-        d = load(xb, i) - k
-        s = accumulate(s, d)
-        q = accumulate(q, d * d)
+    zero = like(sdt, 0.0)
+    n = xb.shape[0]
+    s64, q64 = 0.0, 0.0
+    for lo in range(0, n, SUM_RUN):
+        run = xb[lo:lo + SUM_RUN]
+        sr, qr = zero, zero
+        for i in range(run.shape[0]):
+            d = load(run, i) - k
+            sr = accumulate(sr, d)
+            qr = accumulate(qr, d * d)
+        s64 += np.float64(sr)
+        q64 += np.float64(qr)
+    s, q = like(sdt, s64), like(sdt, q64)
     block_mean = s * inv_s
     return (np.float64(k) - x0) + block_mean, q - s * block_mean
 
@@ -99,7 +155,7 @@ def plane_merge(xb, x0, inv_s, sdt, count, mean_x0, m2):
     """(count, mean - x0, M2) merged with the plane xb: (S,) (float64): the first plane
     (count 0) by two-pass, the others in one pass shifted by the running mean."""
     if count == 0.0:
-        estimate, correction, q = two_pass(xb, inv_s, sdt, True)
+        estimate, correction, q = two_pass(xb, inv_s, sdt, True, SUM_RUN)
         block_mean = (np.float64(estimate) - x0) + np.float64(correction)
     else:
         block_mean, q = _plane_shifted(xb, x0, mean_x0, inv_s, sdt)

@@ -39,7 +39,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload, register_jitable
 
-from normkit.backends.cpu.half import accumulate, like, load, store
+from normkit.backends.cpu.half import SUM_RUN, accumulate, like, load, store
 from normkit.backends.cpu.moments import plane_merge, split_mean, two_pass
 from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.act_stores import (ACT_SILU, clamp, clamp_grad, silu,
@@ -66,13 +66,19 @@ def _plane_ahead(a, n, c, ahead, first, last):
 @register_jitable(inline="always")   # inlined: see cpu.rows.JIT
 def _plane_sums(gb, xb, mu, rs, sdt):
     """(sum(g), sum(g * xhat)) over one plane, xhat = (x - mu) * rs."""
-    sg = like(sdt, 0.0)
-    sgx = like(sdt, 0.0)
-    for i in range(xb.shape[0]):
-        gi = load(gb, i)
-        sg = accumulate(sg, gi)
-        sgx = accumulate(sgx, gi * ((load(xb, i) - mu) * rs))
-    return sg, sgx
+    zero = like(sdt, 0.0)
+    n = xb.shape[0]
+    sg, sgx = 0.0, 0.0
+    for lo in range(0, n, SUM_RUN):
+        gr, xr = gb[lo:lo + SUM_RUN], xb[lo:lo + SUM_RUN]
+        a, b = zero, zero
+        for i in range(xr.shape[0]):
+            gi = load(gr, i)
+            a = accumulate(a, gi)
+            b = accumulate(b, gi * ((load(xr, i) - mu) * rs))
+        sg += np.float64(a)
+        sgx += np.float64(b)
+    return like(sdt, sg), like(sdt, sgx)
 
 
 def _plane_sums_act(gb, xb, mu, rs, wb, act, sdt):
@@ -93,22 +99,33 @@ def _act_plane_sums(gb, xb, mu, rs, wb, act, sdt):
     (see ``_small_store``)."""
     code, cl, si = act
     wc, bc = wb
-    sg = like(sdt, 0.0)
-    sgx = like(sdt, 0.0)
+    zero = like(sdt, 0.0)
+    n = xb.shape[0]
+    sg, sgx = 0.0, 0.0
     if code == ACT_SILU:
-        for i in range(xb.shape[0]):
-            xh = (load(xb, i) - mu) * rs
-            gi = silu_grad(load(gb, i), xh * wc + bc, si[0])
-            sg = accumulate(sg, gi)
-            sgx = accumulate(sgx, gi * xh)
-        return sg, sgx
-    zero, slope, top, leaky = cl[0], cl[1], cl[2], cl[3]
-    for i in range(xb.shape[0]):
-        xh = (load(xb, i) - mu) * rs
-        gi = clamp_grad(load(gb, i), xh * wc + bc, zero, slope, top, leaky)
-        sg = accumulate(sg, gi)
-        sgx = accumulate(sgx, gi * xh)
-    return sg, sgx
+        for lo in range(0, n, SUM_RUN):
+            gr, xr = gb[lo:lo + SUM_RUN], xb[lo:lo + SUM_RUN]
+            a, b = zero, zero
+            for i in range(xr.shape[0]):
+                xh = (load(xr, i) - mu) * rs
+                gi = silu_grad(load(gr, i), xh * wc + bc, si[0])
+                a = accumulate(a, gi)
+                b = accumulate(b, gi * xh)
+            sg += np.float64(a)
+            sgx += np.float64(b)
+        return like(sdt, sg), like(sdt, sgx)
+    low, slope, top, leaky = cl[0], cl[1], cl[2], cl[3]
+    for lo in range(0, n, SUM_RUN):
+        gr, xr = gb[lo:lo + SUM_RUN], xb[lo:lo + SUM_RUN]
+        a, b = zero, zero
+        for i in range(xr.shape[0]):
+            xh = (load(xr, i) - mu) * rs
+            gi = clamp_grad(load(gr, i), xh * wc + bc, low, slope, top, leaky)
+            a = accumulate(a, gi)
+            b = accumulate(b, gi * xh)
+        sg += np.float64(a)
+        sgx += np.float64(b)
+    return like(sdt, sg), like(sdt, sgx)
 
 
 def _small_store(yr, xr, coefs, act):
@@ -442,7 +459,8 @@ def planes_small(x, y, w, b, eps, groups, fixed, stats, lo, hi):
         if fixed:
             mh, ml, rs = mean[u], like(mean, 0.0), rstd[u]
         else:
-            estimate, correction, m2 = two_pass(rows[u], like(mean, 1.0 / count), mean, True)
+            estimate, correction, m2 = two_pass(rows[u], like(mean, 1.0 / count), mean, True,
+                                                 SUM_RUN)
             v = np.float64(m2) / count
             rs = like(mean, 1.0 / math.sqrt(v + eps))
             mh, ml = split_mean(estimate, correction, mean)

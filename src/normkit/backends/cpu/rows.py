@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import njit
+from numba.extending import register_jitable
 
 from normkit._numba_cache import can_cache
-from normkit.backends.cpu.half import accumulate, like, load
+from normkit.backends.cpu.half import SUM_RUN, accumulate, like, load
 from normkit.backends.cpu.moments import split_mean, two_pass
 from normkit.backends.cpu.stores import (fence, store_add, store_affine_per_element,
                                          store_dx_rows_planes)
@@ -56,7 +58,16 @@ def rows_forward(x, y, w, b, eps, center, stats, out, lo, hi, add):
     """y = (x - mean) * rstd * w + b for the rows [lo, hi) of x, y: (M, K) storage;
     w, b: (K,) statistics dtype; stats = (mean, rstd, var) written. ``add = (on, res,
     h)``, res and h (M, K): where ``on``, h = x + res is written first and normalized in
-    place of x."""
+    place of x. Rows longer than ``SUM_RUN`` take their sums in runs (``two_pass``), in a
+    loop of rows of their own."""
+    if x.shape[1] > SUM_RUN:
+        _rows_forward(x, y, w, b, eps, center, stats, out, lo, hi, add, SUM_RUN)
+    else:
+        _rows_forward(x, y, w, b, eps, center, stats, out, lo, hi, add, None)
+
+
+@register_jitable(inline="always")
+def _rows_forward(x, y, w, b, eps, center, stats, out, lo, hi, add, runs):
     mean, rstd, var = stats
     stream, ahead = out
     m, k = x.shape
@@ -69,7 +80,7 @@ def rows_forward(x, y, w, b, eps, center, stats, out, lo, hi, add):
             ahead_res = res[r + ahead] if ahead and r + ahead < hi else xr[:0]
             store_add(h[r], (xr, res[r]), (), (ahead_row, ahead_res), False)
             xr, ahead_row = h[r], xr[:0]
-        estimate, correction, q = two_pass(xr, inv_k, mean, center)
+        estimate, correction, q = two_pass(xr, inv_k, mean, center, runs)
         v = q * inv_k
         rs = like(mean, 1.0 / math.sqrt(v + eps))
         mh, ml = split_mean(estimate, correction, mean)            # the mean, hi + lo
@@ -108,18 +119,25 @@ def rows_backward(g, x, w, stats, center, dx, partials, out, lo, hi, plus):
             else:
                 ahead_rows = (gr[:0], xr[:0])
             mu, rs = mean[r], rstd[r]
-            c_var = like(mean, 0.0)
-            c_mean = like(mean, 0.0)
-            for i in range(k):
-                gi = load(gr, i)
-                xh = (load(xr, i) - mu) * rs
-                dxh = gi * w[i]
-                c_var = accumulate(c_var, dxh * xh)
-                c_mean = accumulate(c_mean, dxh)
-                dwt[i] += gi * xh
-                dbt[i] += gi
-            c_var *= inv_k
-            c_mean = c_mean * inv_k if center else like(mean, 0.0)
+            zero = like(mean, 0.0)
+            var64, mean64 = 0.0, 0.0
+            for lo_k in range(0, k, SUM_RUN):
+                hi_k = lo_k + SUM_RUN
+                g_, x_, w_ = gr[lo_k:hi_k], xr[lo_k:hi_k], w[lo_k:hi_k]
+                dw_, db_ = dwt[lo_k:hi_k], dbt[lo_k:hi_k]
+                sv, sm = zero, zero
+                for i in range(x_.shape[0]):
+                    gi = load(g_, i)
+                    xh = (load(x_, i) - mu) * rs
+                    dxh = gi * w_[i]
+                    sv = accumulate(sv, dxh * xh)
+                    sm = accumulate(sm, dxh)
+                    dw_[i] += gi * xh
+                    db_[i] += gi
+                var64 += np.float64(sv)
+                mean64 += np.float64(sm)
+            c_var = like(mean, var64) * inv_k
+            c_mean = like(mean, mean64) * inv_k if center else zero
             store_dx_rows_planes(dx[r], (gr, xr, w), (mu, rs, c_var, c_mean), ahead_rows,
                                  stream and not on)                # x, g from L1/L2
             if on:                                                 # dx rounded, then + gh
