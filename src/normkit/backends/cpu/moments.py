@@ -96,19 +96,27 @@ def _two_pass_runs(xs, inv_n, sdt, center, runs):
             sr = accumulate(sr, load(run, i))
         s64 += np.float64(sr)
     estimate = like(sdt, s64) * inv_n
-    sd64, q64 = 0.0, 0.0
-    for lo in range(0, n, runs):                                   # from L1
+    sd, q = _deviation_sums(xs, estimate, sdt, runs)               # from L1
+    correction = sd * inv_n
+    return estimate, correction, q - sd * correction
+
+
+@register_jitable(inline="always")
+def _deviation_sums(xs, k, sdt, runs):
+    """(sum(d), sum(d^2)) of d = x - k over xs, in runs of ``runs`` elements added in
+    float64, rounded to the dtype of the array sdt."""
+    zero = like(sdt, 0.0)
+    s64, q64 = 0.0, 0.0
+    for lo in range(0, xs.shape[0], runs):
         run = xs[lo:lo + runs]
         sr, qr = zero, zero
         for i in range(run.shape[0]):
-            d = load(run, i) - estimate
+            d = load(run, i) - k
             sr = accumulate(sr, d)
             qr = accumulate(qr, d * d)
-        sd64 += np.float64(sr)
+        s64 += np.float64(sr)
         q64 += np.float64(qr)
-    sd, q = like(sdt, sd64), like(sdt, q64)
-    correction = sd * inv_n
-    return estimate, correction, q - sd * correction
+    return like(sdt, s64), like(sdt, q64)
 
 
 @register_jitable(inline="always")
@@ -133,19 +141,7 @@ def _plane_shifted(xb, x0, mean_x0, inv_s, sdt):
     """(mean - x0, M2) of the plane xb: (S,) in one pass of the sums of d = x - k and
     d*d, with the shift k = x0 + mean_x0 (the running mean of the planes before it)."""
     k = like(sdt, x0 + mean_x0)
-    zero = like(sdt, 0.0)
-    n = xb.shape[0]
-    s64, q64 = 0.0, 0.0
-    for lo in range(0, n, SUM_RUN):
-        run = xb[lo:lo + SUM_RUN]
-        sr, qr = zero, zero
-        for i in range(run.shape[0]):
-            d = load(run, i) - k
-            sr = accumulate(sr, d)
-            qr = accumulate(qr, d * d)
-        s64 += np.float64(sr)
-        q64 += np.float64(qr)
-    s, q = like(sdt, s64), like(sdt, q64)
+    s, q = _deviation_sums(xb, k, sdt, SUM_RUN)
     block_mean = s * inv_s
     return (np.float64(k) - x0) + block_mean, q - s * block_mean
 
