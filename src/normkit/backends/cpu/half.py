@@ -80,10 +80,9 @@ _f16_to_f32, _f32_to_f16 = _converter(nbt.int16, True), _converter(nbt.int16, Fa
 
 
 #: the most elements a reduction adds in its dtype (float32 for float32 and half data):
-#: longer sums are added run by run in float64. A lane of a vectorized float32 sum over a
-#: 2048 x 2048 plane took 2^17 elements, and InstanceNorm's output was 1e-5 off float64
-#: (torch's 7e-8); runs of 4096 keep it at torch's, and a row or plane of up to 4096
-#: elements gets the bits of one run.
+#: longer sums are added run by run in float64, so that no vector lane of a sum over a
+#: whole plane grows long; a row or plane of up to this many elements is one run
+#: (docs/architecture.md, "Long sums").
 SUM_RUN = 4096
 
 

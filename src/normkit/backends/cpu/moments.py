@@ -45,8 +45,8 @@ def two_pass(xs, inv_n, sdt, center, runs):
 
     ``runs``: ``SUM_RUN``, each sum taken in runs of that many elements added in
     float64; None (chosen when compiling), xs is at most ``SUM_RUN`` long and each sum is
-    one run. (The runs' loops in the body of the rows' kernel, taken or not, made short
-    rows 5-10 % slower: the kernel compiles a loop of rows for each.)"""
+    one run. (The rows' kernels compile a loop of rows for each: the runs' loops in the
+    short rows' loop, taken or not, slowed it; docs/performance-history.md.)"""
 
 
 @overload(two_pass, inline="always")   # inlined: see cpu.rows.JIT

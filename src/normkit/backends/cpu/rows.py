@@ -53,9 +53,8 @@ JIT = dict(cache=can_cache(__file__), nogil=True, inline="always")
 __all__ = ["rows_backward", "rows_forward"]
 
 #: rows whose dweight and dbias the backward sums in the statistics dtype before adding
-#: them in float64: a sum per element, one row after another (no vector lanes), so short:
-#: over 2^20 rows of 64, runs of 4096 rows left dweight 1e-6 off float64, runs of 64
-#: 1.5e-7 (torch's LayerNorm 9e-6).
+#: them in float64: a sum per element, one row after another (no vector lanes), so kept
+#: short (docs/architecture.md, "Long sums").
 GRAD_ROWS = 64
 
 
