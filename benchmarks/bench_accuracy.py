@@ -10,14 +10,21 @@ offset. docs/architecture.md ("Autograd and precision") quotes it.
 
 ``--long``: forward and backward over long rows, planes and channels instead (millions of
 elements per statistic, one sample on channels_last), the largest error of y, dx and
-dweight relative to the largest exact value.
+dweight relative to the largest exact value. ``--gpu-interpreter SMS``: normkit's column
+runs the GPU backend's Triton kernels in Triton's interpreter on the CPU, launched as on
+a device of SMS multiprocessors (the split of long sums into programs follows it: 132 for
+an H100); the interpreter reduces inside a block as NumPy does, so it shows how the sums
+across blocks and programs accumulate, not the device's bits (minutes per case).
 
     PYTHONPATH=src python benchmarks/bench_accuracy.py [--threads 2] [--long]
+        [--gpu-interpreter SMS] [--cases N ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -105,15 +112,37 @@ def _long_cases():
              lambda f, x, w: f.instance_norm(x, weight=w))]
 
 
-def _long(gen):
-    print(f"{'op':18s} {'shape':20s} {'layout':14s} {'normkit y / dx / dweight':>26s} "
+def _on_interpreted_gpu(sms):
+    """Route normkit's ops on CPU tensors to the GPU backend (TRITON_INTERPRET=1 is set)."""
+    from normkit import backends
+    from normkit.backends import gpu
+
+    class Cuda:          # a CPU tensor that says it is on a CUDA device, for ``supports``
+        def __init__(self, t):
+            self.t = t
+
+        def __getattr__(self, name):
+            return getattr(self.t, name)
+
+        device = torch.device("cuda")
+
+    real = gpu.supports
+    gpu.supports = lambda x, *args: real(Cuda(x), *args)
+    gpu.INTERPRETER_SMS = sms
+    backends._loaded = (gpu,)
+
+
+def _long(gen, which=None, label="normkit"):
+    print(f"{'op':18s} {'shape':20s} {'layout':14s} {label + ' y / dx / dweight':>26s} "
           f"{'torch y / dx / dweight':>26s}")
-    for name, shape, channels_last, fn in _long_cases():
+    for i, (name, shape, channels_last, fn) in enumerate(_long_cases()):
         x = torch.randn(shape, generator=gen) + 0.5
         dy = torch.randn(shape, generator=gen)
         if channels_last:
             x, dy = (t.to(memory_format=torch.channels_last) for t in (x, dy))
         w = torch.rand(shape[-1] if name == "layer_norm" else shape[1], generator=gen) + 0.5
+        if which and i not in which:      # (drawn all the same: the next cases' data)
+            continue
         runs = []
         for f, dtype in ((F, torch.float64), (NF, torch.float32), (F, torch.float32)):
             # the exact run in NCHW: torch 2.13's float64 instance_norm backward of one
@@ -136,11 +165,23 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--long", action="store_true", help="long rows, planes and channels")
+    parser.add_argument("--gpu-interpreter", type=int, metavar="SMS",
+                        help="with --long: the GPU kernels in Triton's interpreter")
+    parser.add_argument("--cases", type=int, nargs="+", help="with --long: these cases "
+                        "only (0-based)")
     opts = parser.parse_args(argv)
+    if opts.gpu_interpreter and os.environ.get("TRITON_INTERPRET") != "1":
+        # (read when triton is first imported: a process of its own)
+        os.execve(sys.executable, [sys.executable] + sys.argv,
+                  dict(os.environ, TRITON_INTERPRET="1"))
     torch.set_num_threads(opts.threads)
     gen = torch.Generator().manual_seed(0)
     if opts.long:
-        _long(gen)
+        label = "normkit"
+        if opts.gpu_interpreter:
+            _on_interpreted_gpu(opts.gpu_interpreter)
+            label = f"GPU kernels ({opts.gpu_interpreter} SMs)"
+        _long(gen, opts.cases, label)
         return
     print(f"{'op':18s} {'layout':14s} {'data':12s} {'normkit max/rms':>16s} "
           f"{'torch max/rms':>16s}")

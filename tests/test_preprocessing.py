@@ -345,6 +345,37 @@ def test_nan_ignored_in_fit_kept_in_transform(backend):
     np.testing.assert_array_equal(np.isnan(m.transform(X)), np.isnan(X))
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_partial_fit_of_a_feature_missing_from_the_first_batches(backend, sparse):
+    """A feature with no value in the first batches (all NaN there) gets the statistics of
+    the values that come later, as a fit on all the rows gives them. (scikit-learn 1.9.1's
+    partial_fit gives that feature NaN statistics from then on, and its transform then
+    refuses the NaN scale.)"""
+    import scipy.sparse as sps
+
+    batches = [np.array([[1.0, np.nan, 0.0]]), np.array([[np.nan, np.nan, 2.0]]),
+               np.array([[2.0, 5.0, np.nan], [4.0, 7.0, 3.0]])]
+    whole = np.vstack(batches)
+    make = sps.csr_matrix if sparse else np.asarray
+    scalers = [(StandardScaler, skp.StandardScaler, {"with_mean": not sparse},
+                ("mean_", "var_", "scale_", "n_samples_seen_"))]
+    if not sparse:
+        scalers.append((MinMaxScaler, skp.MinMaxScaler, {},
+                        ("data_min_", "data_max_", "scale_", "min_", "n_samples_seen_")))
+    for ours, theirs, kwargs, attributes in scalers:
+        part = ours(**kwargs)
+        for batch in batches:
+            part.partial_fit(make(batch))
+        ref = theirs(**kwargs).fit(make(whole))
+        for name in attributes:
+            np.testing.assert_allclose(getattr(part, name), getattr(ref, name), rtol=1e-15,
+                                       err_msg=f"{ours.__name__}.{name}")
+        Z = part.transform(make(whole))
+        np.testing.assert_allclose(Z.toarray() if sparse else Z,
+                                   (lambda z: z.toarray() if sparse else z)(
+                                       ref.transform(make(whole))), rtol=1e-14)
+
+
 # --------------------------------------------------------------------------- properties
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(2, 60), p=st.integers(1, 4), cuts=st.lists(st.integers(1, 59), max_size=5),
