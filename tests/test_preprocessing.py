@@ -347,10 +347,10 @@ def test_nan_ignored_in_fit_kept_in_transform(backend):
 
 @pytest.mark.parametrize("sparse", [False, True])
 def test_partial_fit_of_a_feature_missing_from_the_first_batches(backend, sparse):
-    """A feature with no value in the first batches (all NaN there) gets the statistics of
-    the values that come later, as a fit on all the rows gives them. (scikit-learn 1.9.1's
-    partial_fit gives that feature NaN statistics from then on, and its transform then
-    refuses the NaN scale.)"""
+    """A feature with no value in a batch (all NaN there: the first two batches for
+    feature 1, the second for feature 0) keeps the statistics of its values in the others,
+    as a fit on all the rows gives them. (scikit-learn 1.9.1's partial_fit gives such a
+    feature NaN statistics from then on, and its transform then refuses the NaN scale.)"""
     import scipy.sparse as sps
 
     batches = [np.array([[1.0, np.nan, 0.0]]), np.array([[np.nan, np.nan, 2.0]]),
