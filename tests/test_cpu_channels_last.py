@@ -140,3 +140,42 @@ def test_instance_norm_of_channels_last_gradients(shape):
         for name, g, e in zip(("y", "dx", "dweight"), got, want):
             err = ((g - e).abs().max() / e.abs().max()).item()
             assert err < 1e-6, f"{shape} {name}: relative error {err:.1e}"
+
+
+@pytest.mark.parametrize("shape, strides", [((2, 3, 1, 4), (12, 1, 1, 3)),
+                                            ((2, 3, 4, 1), (12, 1, 3, 1)),
+                                            ((2, 3, 1, 4), (12, 1, 99, 3)),
+                                            ((1, 3, 1, 1, 5), (15, 1, 1, 1, 3))], ids=str)
+def test_batch_norm_of_channels_last_with_odd_strides_on_size_one_dims(shape, strides):
+    """BatchNorm of a channels_last input whose size-1 dims have strides other than the
+    canonical ones (what a transpose or permute leaves there), with a contiguous gradient:
+    y, dx, dweight and dbias against float64 autograd of the formula. torch 2.13's CPU
+    ``F.batch_norm`` backward gets these wrong (dweight and dbias off by 100 % and more),
+    so torch is no oracle here."""
+    import normkit.functional as NF
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.empty_strided(shape, strides).copy_(torch.randn(shape, generator=gen))
+    dy = torch.randn(shape, generator=gen)
+    w, b = torch.rand(shape[1], generator=gen) + 0.5, torch.randn(shape[1], generator=gen)
+    dims = [0] + list(range(2, len(shape)))
+    view = [1, -1] + [1] * (len(shape) - 2)
+
+    def formula(x, w, b):
+        mean = x.mean(dims, keepdim=True)
+        var = x.var(dims, keepdim=True, unbiased=False)
+        return (x - mean) / torch.sqrt(var + 1e-5) * w.view(view) + b.view(view)
+
+    def run(fn, dtype):
+        xi = (x.double().contiguous() if dtype == torch.float64
+              else x.clone(memory_format=torch.preserve_format)).requires_grad_()
+        wi, bi = (t.to(dtype).requires_grad_() for t in (w, b))
+        assert xi.stride() == strides or dtype == torch.float64
+        fn(xi, wi, bi).backward(dy.to(dtype))
+        return [t.detach().double() for t in (xi.grad, wi.grad, bi.grad)]
+
+    want = run(formula, torch.float64)
+    got = run(lambda x, w, b: NF.batch_norm(x, None, None, w, b, training=True), torch.float32)
+    for name, g, e in zip(("dx", "dweight", "dbias"), got, want):
+        err = ((g - e).abs().max() / e.abs().max()).item()
+        assert err < 1e-6, f"{shape} {strides} {name}: relative error {err:.1e}"
