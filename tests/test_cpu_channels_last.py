@@ -179,3 +179,28 @@ def test_batch_norm_of_channels_last_with_odd_strides_on_size_one_dims(shape, st
     for name, g, e in zip(("dx", "dweight", "dbias"), got, want):
         err = ((g - e).abs().max() / e.abs().max()).item()
         assert err < 1e-6, f"{shape} {strides} {name}: relative error {err:.1e}"
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_group_norm_of_channels_last_gradients_of_the_parameters_alone(groups):
+    """GroupNorm of a channels_last input that needs no gradient (a frozen stem before it,
+    or norm-only fine-tuning): dweight and dbias against float64 autograd on NCHW memory.
+    torch 2.13's CPU ``F.group_norm`` backward crashes the process here (a segmentation
+    fault), so torch is no oracle."""
+    import normkit.functional as NF
+
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, 4, 16, 16)
+    x = torch.randn(shape, generator=gen).to(memory_format=torch.channels_last)
+    dy = torch.randn(shape, generator=gen)
+    w, b = torch.rand(4, generator=gen) + 0.5, torch.randn(4, generator=gen)
+
+    def run(fn, xi, dtype):
+        wi, bi = (t.to(dtype).requires_grad_() for t in (w, b))
+        fn(xi, groups, wi, bi).backward(dy.to(dtype))
+        return [t.grad.double() for t in (wi, bi)]
+
+    want = run(torch.nn.functional.group_norm, x.double().contiguous(), torch.float64)
+    for name, g, e in zip(("dweight", "dbias"), run(NF.group_norm, x, torch.float32), want):
+        err = ((g - e).abs().max() / e.abs().max()).item()
+        assert err < 1e-6, f"{name}: relative error {err:.1e}"

@@ -530,3 +530,45 @@ def test_parameters_of_another_dtype_are_taken_in_the_inputs(op):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, _MIXED[op](NF, x, *[t.float() for t in half]), rtol=0,
                                atol=0)
+
+
+_CL = torch.channels_last
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("name, shape, reduce, layout", [
+    ("batch_norm", (1000, 4), (0,), None),
+    ("batch_norm", (8, 4, 16, 16), (0, 2, 3), None),
+    ("batch_norm", (8, 4, 3, 3), (0, 2, 3), None),
+    ("batch_norm", (8, 4, 16, 16), (0, 2, 3), _CL),
+    ("instance_norm", (2, 4, 16, 16), (2, 3), None),
+    ("instance_norm", (2, 4, 16, 16), (2, 3), _CL),
+    ("group_norm", (2, 4, 16, 16), (1, 2, 3), None),
+    ("group_norm", (2, 4, 16, 16), (1, 2, 3), _CL),
+    ("layer_norm", (64, 768), (1,), None),
+    ("layer_norm", (4, 8192), (1,), None)], ids=str)
+def test_a_constant_group_gives_the_bias_exactly(name, shape, reduce, layout, dtype):
+    """A group whose values are all equal (a pruned channel that outputs its conv's bias,
+    a constant feature of a tabular batch) has xhat = 0: y is the bias, bit for bit, and
+    dweight = sum(g * xhat) is 0: normkit's mean of such a group is its value to the last
+    bit (a second pass over the deviations, or a float64 merge, corrects the first sum's
+    rounding). torch 2.13's CPU kernels give the bias plus their rounding of the mean
+    times 1 / sqrt(eps): 0.2 off at (1000, 4), 0.5 on channels_last (float32, values near
+    100), and crash on channels_last GroupNorm (``test_cpu_channels_last``)."""
+    gen = torch.Generator().manual_seed(0)
+    groups = [1 if d in reduce else s for d, s in enumerate(shape)]
+    x = (torch.randn(groups, generator=gen) * 3 + 100).expand(shape).contiguous().to(dtype)
+    if layout is not None:
+        x = x.contiguous(memory_format=layout)
+    c = shape[-1] if name == "layer_norm" else shape[1]
+    w = (torch.rand(c, generator=gen) + 0.5).to(dtype).requires_grad_()
+    b = torch.randn(c, generator=gen).to(dtype)
+    call = {"batch_norm": lambda x: NF.batch_norm(x, None, None, w, b, training=True),
+            "instance_norm": lambda x: NF.instance_norm(x, weight=w, bias=b),
+            "group_norm": lambda x: NF.group_norm(x, 1, w, b),
+            "layer_norm": lambda x: NF.layer_norm(x, (c,), w, b)}[name]
+    y = call(x)
+    y.backward(torch.randn(shape, generator=gen).to(dtype))
+    bias = b if name == "layer_norm" else b.view([1, -1] + [1] * (len(shape) - 2))
+    assert torch.equal(y, bias.expand(shape)), (y - bias).abs().max()
+    assert torch.equal(w.grad, torch.zeros_like(w.grad)), w.grad
