@@ -160,6 +160,39 @@ def test_text_columns_are_listed_on_stderr(tmp_path, capsys):
     assert "the columns ['when'] hold text, not numbers" in capsys.readouterr().err
 
 
+def test_empty_columns_are_listed_apart_and_bad_values_named_by_column(tmp_path, capsys):
+    """A column with no value is said to hold none (not text); a scaler's complaint about
+    infinite or overflowing values names the table's columns, and what to do in a table."""
+    table = pa.table({"a": [1.0, 2.0, 4.0], "nothing": pa.nulls(3), "b c": [1.0, np.inf, 3.0],
+                      "d": [1.0, 1e300, 5.0]})
+    pq.write_table(table, tmp_path / "t.parquet")
+    (tmp_path / "t.csv").write_text('a,nothing,"b c",d,note\n1,,1,1,x\n2,,inf,1e300,y\n'
+                                    '4,,3,5,z\n')
+    for name, where in (("t.parquet", ""), ("t.csv", " in the first MiB")):
+        data = tmp_path / name
+        assert normkit("scale", "fit", data, "--columns", "a,b c", "-o", tmp_path / "s.json",
+                       "--no-progress") == 1
+        err = capsys.readouterr().err
+        assert f"{data}: Input X contains infinity in fit (column 'b c')" in err
+        assert "Replace them with empty cells" in err and "np.isinf" not in err
+        assert normkit("scale", "fit", data, "--columns", "a,d", "-o", tmp_path / "s.json",
+                       "--no-progress") == 1
+        assert "The variance of column 'd' overflows float64" in capsys.readouterr().err
+        assert normkit("scale", "fit", data, "-o", tmp_path / "s.json", "--no-progress") == 1
+        err = capsys.readouterr().err
+        assert f"not scaling 1 column(s) with no values{where}: nothing" in err
+        assert not any("nothing" in line for line in err.splitlines() if "hold text" in line)
+    (tmp_path / "ok.csv").write_text("a,nothing\n1,\n3,\n")
+    assert normkit("scale", "fit", tmp_path / "ok.csv", "-o", tmp_path / "s.json",
+                   "--no-progress") == 0
+    assert normkit("scale", "transform", tmp_path / "t.csv", "--scaler", tmp_path / "s.json",
+                   "-o", tmp_path / "out.csv", "--no-progress") == 0
+    (tmp_path / "inf.csv").write_text("a,nothing\n1,\ninf,\n")
+    assert normkit("scale", "transform", tmp_path / "inf.csv", "--scaler", tmp_path / "s.json",
+                   "-o", tmp_path / "out.csv", "--no-progress") == 1
+    assert "Replace them with empty cells" in capsys.readouterr().err
+
+
 def test_gzipped_csv_is_read(tmp_path):
     import gzip
 

@@ -88,13 +88,13 @@ def _fit_columns(args):
     """The columns to fit: ``--columns``, or the numeric ones (the others listed on stderr)."""
     from normkit.cli.scale.tables import TableFormatError, file_format, read_columns
 
-    names, numeric, skipped = read_columns(args.data[0])
+    names, numeric, text, empty = read_columns(args.data[0])
     if args.columns:
         columns = [c.strip() for c in args.columns.split(",") if c.strip()]
         unknown = [c for c in columns if c not in names]
         if unknown:
             raise TableFormatError(f"{args.data[0]}: has no columns {unknown} (it has {names}).")
-        typed_text = [c for c in columns if c in skipped and file_format(args.data[0]) == "parquet"]
+        typed_text = [c for c in columns if c in text and file_format(args.data[0]) == "parquet"]
         if typed_text:  # a CSV column is checked value by value as it is read, with its line
             raise TableFormatError(f"{args.data[0]}: the columns {typed_text} hold text, not numbers; "
                                    "leave them out of --columns.")
@@ -102,10 +102,31 @@ def _fit_columns(args):
     if not numeric:
         raise TableFormatError(f"{args.data[0]}: has no numeric columns to scale (columns: {names}); "
                                "name them with --columns.")
-    if skipped:
-        print(f"normkit scale: not scaling {len(skipped)} column(s) that hold text, not numbers: "
-              f"{', '.join(skipped)}", file=sys.stderr)
+    if text:
+        print(f"normkit scale: not scaling {len(text)} column(s) that hold text, not numbers: "
+              f"{', '.join(text)}", file=sys.stderr)
+    if empty:
+        where = " in the first MiB" if file_format(args.data[0]) == "csv" else ""
+        print(f"normkit scale: not scaling {len(empty)} column(s) with no values{where}: "
+              f"{', '.join(empty)} (--columns names them to scale them all the same)",
+              file=sys.stderr)
     return numeric
+
+
+def _named(error, columns) -> str:
+    """A scaler's message about ``features [i, ...]`` of the matrix, told of the table's
+    columns by name, and what to do in a table rather than in NumPy."""
+    import re
+
+    def names(match):
+        picked = [columns[int(i)] for i in match.group(1).split(",")]
+        return f"column{'s' if len(picked) > 1 else ''} {', '.join(map(repr, picked))}"
+
+    message = re.sub(r"features \[([\d, ]+)\]", names, str(error))
+    return message.replace("Replace them, e.g. X[np.isinf(X)] = np.nan (NaN is ignored in fit "
+                           "and kept in transform).", "Replace them with empty cells (missing "
+                           "values are ignored in fit and kept in transform).").replace(
+        "Divide X by a power of ten first.", "Divide those columns by a power of ten first.")
 
 
 def _fit(args):
@@ -124,7 +145,10 @@ def _fit(args):
         with _progress(path, args.no_progress) as bar:
             for table in iter_chunks(path, columns, chunk, bar, only=True):
                 if table.num_rows:
-                    scaler.partial_fit(_matrix(table, columns))
+                    try:
+                        scaler.partial_fit(_matrix(table, columns))
+                    except ValueError as error:
+                        raise TableFormatError(f"{path}: {_named(error, columns)}") from None
                 del table  # not kept while the next chunk is read
     if not hasattr(scaler, "n_features_in_"):
         raise TableFormatError(f"{', '.join(args.data)}: no data rows to fit on.")
@@ -137,8 +161,13 @@ def _scaled(table, columns, scaler, inverse):
     """``table`` with its ``columns`` scaled (or unscaled), the other columns as they are."""
     import pyarrow as pa
 
+    from normkit.cli.scale.tables import TableFormatError
+
     X = _matrix(table, columns)
-    Z = scaler._apply(X, X, inverse=inverse)  # in place on our own buffer
+    try:
+        Z = scaler._apply(X, X, inverse=inverse)  # in place on our own buffer
+    except ValueError as error:
+        raise TableFormatError(_named(error, columns)) from None
     for j, name in enumerate(columns):
         i = table.schema.get_field_index(name)
         table = table.set_column(i, name, pa.array(Z[:, j], type=pa.float64(), from_pandas=True))

@@ -112,11 +112,13 @@ def column_names(path):
 
 
 def read_columns(path):
-    """``(names, numeric, skipped)``: all column names, those holding numbers, and the others.
+    """``(names, numeric, text, empty)``: all column names, those holding numbers, those
+    holding text, and those holding nothing.
 
-    Parquet: by type. CSV: from its first MiB; a column is numeric when most of its non-empty
-    values there are numbers (a stray text value, there or further down, then stops the read
-    with its line), and skipped when most are text or it is empty there.
+    Parquet: by type (``null``: empty). CSV: from its first MiB; a column is numeric when
+    most of its non-empty values there are numbers (a stray text value, there or further
+    down, then stops the read with its line), text when most are text, and empty when it has
+    no value there.
     """
     import pyarrow as pa
 
@@ -125,16 +127,21 @@ def read_columns(path):
     else:
         sample = _csv_sample(path)
         schema = sample.schema
-    numeric = []
+    numeric, empty = [], []
     nulls = _null_values()
     for field in schema:
         if _is_numeric_type(pa, field.type):
             numeric.append(field.name)
+        elif pa.types.is_null(field.type):
+            empty.append(field.name)
         elif file_format(path) == "csv" and pa.types.is_string(field.type):
             values = [v for v in sample[field.name].to_pylist() if v is not None and v.strip() not in nulls]
-            if 2 * sum(_is_number(v, nulls) for v in values) > len(values):
+            if not values:
+                empty.append(field.name)
+            elif 2 * sum(_is_number(v, nulls) for v in values) > len(values):
                 numeric.append(field.name)
-    return list(schema.names), numeric, [n for n in schema.names if n not in numeric]
+    text = [n for n in schema.names if n not in numeric and n not in empty]
+    return list(schema.names), numeric, text, empty
 
 
 def _open_text(path):
