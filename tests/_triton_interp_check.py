@@ -367,6 +367,27 @@ def check_cast(casting, offset, shape, dtype):
         close(a, e.double(), dtype, name, grad=True)
 
 
+def check_constant(op, shape, dtype, layout="contiguous"):
+    """A group whose values are all equal gives the bias bit for bit through the public
+    op (xhat = 0: the kernels' statistics are of x - x0, x0 a value of the group), as the
+    CPU kernels do (``tests/test_functional.py``)."""
+    import normkit.functional as NF
+
+    reduce = {"batch_norm": (0, 2, 3), "group_norm": (1, 2, 3), "layer_norm": (1,)}[op]
+    gen = torch.Generator().manual_seed(6)
+    groups = [1 if d in reduce or d >= len(shape) else s for d, s in enumerate(shape)]
+    x = (torch.randn(groups, generator=gen) * 3 + 100).expand(shape).contiguous().to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    c = shape[-1] if op == "layer_norm" else shape[1]
+    w, b = (torch.rand(c, generator=gen) + 0.5).to(dtype), torch.randn(c, generator=gen).to(dtype)
+    y = {"batch_norm": lambda: NF.batch_norm(x, None, None, w, b, training=True),
+         "group_norm": lambda: NF.group_norm(x, 1, w, b),
+         "layer_norm": lambda: NF.layer_norm(x, (c,), w, b)}[op]()
+    bias = b if op == "layer_norm" else b.view([1, -1] + [1] * (len(shape) - 2))
+    assert torch.equal(y, bias.expand(shape)), f"|y - b| = {(y - bias).abs().max()}"
+
+
 def cases_dispatch():
     f32, bf16 = torch.float32, torch.bfloat16
     return [
@@ -382,6 +403,14 @@ def cases_dispatch():
          lambda: check_public("batch_norm_silu", (2, 3, 5, 5), f32, "channels_last")),
         ("group_norm 2x4x3x3 fp32", False, lambda: check_public("group_norm", (2, 4, 3, 3), f32)),
         ("layer_norm 5x130 fp32", False, lambda: check_public("layer_norm", (5, 130), f32)),
+        ("constant groups: batch_norm 6x3x5x5 bf16 channels_last", True,
+         lambda: check_constant("batch_norm", (6, 3, 5, 5), bf16, "channels_last")),
+        ("constant groups: batch_norm 40x3 fp32", True,
+         lambda: check_constant("batch_norm", (40, 3), f32)),
+        ("constant groups: group_norm 2x4x5x5 fp32", True,
+         lambda: check_constant("group_norm", (2, 4, 5, 5), f32)),
+        ("constant groups: layer_norm 3x300 fp32", True,
+         lambda: check_constant("layer_norm", (3, 300), f32)),
     ]
 
 
