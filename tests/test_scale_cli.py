@@ -150,14 +150,16 @@ def test_text_columns_are_listed_on_stderr(tmp_path, capsys):
     for name in ("d.csv", "d.parquet"):
         assert normkit("scale", "fit", tmp_path / name, "-o", tmp_path / "s.json", "--no-progress") == 0
         err = capsys.readouterr().err
-        assert "not scaling 2 column(s) that hold text, not numbers: id, when" in err
+        listed = ("not scaling 2 column(s) that hold text, not numbers: id, when" if name == "d.csv"
+                  else "not scaling 2 column(s) of types other than numbers: id (string), when (string)")
+        assert listed in err
         assert json.loads((tmp_path / "s.json").read_text())["feature_names_in"] == ["x", "y", "z"]
     assert normkit("scale", "fit", tmp_path / "d.csv", "--columns", "x", "-o", tmp_path / "s.json",
                    "--no-progress") == 0
     assert "not scaling" not in capsys.readouterr().err  # the user chose the columns
     assert normkit("scale", "fit", tmp_path / "d.parquet", "--columns", "x,when", "-o", tmp_path / "t.json",
                    "--no-progress") == 1
-    assert "the columns ['when'] hold text, not numbers" in capsys.readouterr().err
+    assert "the columns ['when'] hold no numbers (types string)" in capsys.readouterr().err
 
 
 def test_empty_columns_are_listed_apart_and_bad_values_named_by_column(tmp_path, capsys):
@@ -191,6 +193,38 @@ def test_empty_columns_are_listed_apart_and_bad_values_named_by_column(tmp_path,
     assert normkit("scale", "transform", tmp_path / "inf.csv", "--scaler", tmp_path / "s.json",
                    "-o", tmp_path / "out.csv", "--no-progress") == 1
     assert "Replace them with empty cells" in capsys.readouterr().err
+
+
+def test_parquet_types(tmp_path, capsys):
+    """Integers of every width (uint64 past 2^53 rounded to float64, as NumPy's astype
+    rounds them), float16 and decimals are scaled; bool, date, dictionary and list columns
+    are listed with their types and passed through unchanged."""
+    import datetime
+    import decimal
+
+    n = 6
+    table = pa.table({
+        "i8": pa.array(np.arange(n, dtype=np.int8)),
+        "u64": pa.array(np.array([0, 1, 2**63, 5, 7, 2**64 - 1], dtype=np.uint64)),
+        "f16": pa.array(np.arange(n, dtype=np.float16)),
+        "dec": pa.array([decimal.Decimal(f"{i}.25") for i in range(n)], type=pa.decimal128(5, 2)),
+        "b": pa.array([True, False, True, True, False, None]),
+        "date": pa.array([datetime.date(2024, 1, i + 1) for i in range(n)]),
+        "dict": pa.array(["a", "b", "a", "c", "b", "a"]).dictionary_encode(),
+    })
+    pq.write_table(table, tmp_path / "t.parquet")
+    assert normkit("scale", "fit", tmp_path / "t.parquet", "-o", tmp_path / "s.json", "--no-progress") == 0
+    assert ("not scaling 3 column(s) of types other than numbers: b (bool), date (date32[day]), "
+            "dict (dictionary<values=string, indices=int32, ordered=0>)") in capsys.readouterr().err
+    assert normkit("scale", "transform", tmp_path / "t.parquet", "--scaler", tmp_path / "s.json",
+                   "-o", tmp_path / "out.parquet", "--no-progress") == 0
+    out = pq.read_table(tmp_path / "out.parquet")
+    numbers = np.column_stack([np.asarray(table.column(c).to_pylist(), dtype=np.float64)
+                               for c in ("i8", "u64", "f16", "dec")])
+    np.testing.assert_allclose(np.column_stack([out.column(c).to_numpy() for c in ("i8", "u64", "f16", "dec")]),
+                               skp.StandardScaler().fit_transform(numbers), rtol=1e-12, atol=1e-12)
+    for name in ("b", "date", "dict"):
+        assert out.column(name).equals(table.column(name))
 
 
 def test_gzipped_csv_is_read(tmp_path):

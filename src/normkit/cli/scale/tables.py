@@ -22,7 +22,8 @@ from __future__ import annotations
 import csv
 import os
 
-__all__ = ["TableFormatError", "TableWriter", "column_names", "file_format", "iter_chunks", "read_columns"]
+__all__ = ["TableFormatError", "TableWriter", "column_names", "file_format", "iter_chunks", "read_columns",
+           "read_types"]
 
 # pyarrow's CSV reader keeps about this many blocks in flight (read ahead, parsing, converting)
 BLOCKS_PER_CHUNK = 32
@@ -142,6 +143,11 @@ def read_columns(path):
                 numeric.append(field.name)
     text = [n for n in schema.names if n not in numeric and n not in empty]
     return list(schema.names), numeric, text, empty
+
+
+def read_types(path):
+    """``{name: type}`` of a Parquet file's columns, as pyarrow names the types."""
+    return {field.name: str(field.type) for field in _parquet(path).schema_arrow}
 
 
 def _open_text(path):
