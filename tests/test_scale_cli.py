@@ -195,6 +195,18 @@ def test_empty_columns_are_listed_apart_and_bad_values_named_by_column(tmp_path,
     assert "Replace them with empty cells" in capsys.readouterr().err
 
 
+def test_a_column_name_used_twice_is_refused(tmp_path, capsys):
+    (tmp_path / "d.csv").write_text("a,b,a\n1,2,3\n4,5,6\n")
+    (tmp_path / "ok.csv").write_text("a,b\n1,2\n4,5\n")
+    assert normkit("scale", "fit", tmp_path / "ok.csv", "-o", tmp_path / "s.json", "--no-progress") == 0
+    for argv in (("fit", tmp_path / "d.csv", "-o", tmp_path / "t.json"),
+                 ("transform", tmp_path / "d.csv", "--scaler", tmp_path / "s.json", "-o",
+                  tmp_path / "out.csv")):
+        assert normkit("scale", *argv, "--no-progress") == 1
+        assert (f"{tmp_path / 'd.csv'}: the column names ['a'] are each used more than once"
+                in capsys.readouterr().err)
+
+
 def test_parquet_types(tmp_path, capsys):
     """Integers of every width (uint64 past 2^53 rounded to float64, as NumPy's astype
     rounds them), float16 and decimals are scaled; bool, date, dictionary and list columns

@@ -106,10 +106,18 @@ def _csv_sample(path):
 
 
 def column_names(path):
-    """The column names of a table."""
+    """The column names of a table, each one once (a name used twice is refused)."""
     if file_format(path) == "parquet":
-        return list(_parquet(path).schema_arrow.names)
-    return list(_csv_sample(path).column_names)
+        return _unique(path, _parquet(path).schema_arrow.names)
+    return _unique(path, _csv_sample(path).column_names)
+
+
+def _unique(path, names):
+    twice = sorted({n for n in names if list(names).count(n) > 1})
+    if twice:
+        raise TableFormatError(f"{path}: the column names {twice} are each used more than once; "
+                               "a column is found by its name, so give each its own.")
+    return list(names)
 
 
 def read_columns(path):
@@ -142,7 +150,7 @@ def read_columns(path):
             elif 2 * sum(_is_number(v, nulls) for v in values) > len(values):
                 numeric.append(field.name)
     text = [n for n in schema.names if n not in numeric and n not in empty]
-    return list(schema.names), numeric, text, empty
+    return _unique(path, schema.names), numeric, text, empty
 
 
 def read_types(path):
