@@ -253,6 +253,13 @@ def test_gzipped_csv_is_read(tmp_path):
     assert normkit("scale", "transform", tmp_path / "d.csv.gz", "--scaler", tmp_path / "d.csv.json",
                    "-o", tmp_path / "o.csv", "--no-progress") == 0
     assert pcsv.read_csv(tmp_path / "o.csv").num_rows == 500
+    # and written: a .csv.gz output is gzip, which reads back as the plain one
+    assert normkit("scale", "transform", tmp_path / "d.csv", "--scaler", tmp_path / "d.csv.json",
+                   "-o", tmp_path / "o.csv.gz", "--no-progress") == 0
+    with gzip.open(tmp_path / "o.csv.gz", "rb") as g:
+        assert g.read() == (tmp_path / "o.csv").read_bytes()
+    assert normkit("scale", "inverse", tmp_path / "o.csv.gz", "--scaler", tmp_path / "d.csv.json",
+                   "-o", tmp_path / "back.csv", "--no-progress") == 0
 
 
 def test_a_later_run_removes_stale_temporaries(tmp_path):

@@ -195,19 +195,20 @@ def _apply(args, inverse):
                                "found in a table; fit it with `normkit scale fit` or on a DataFrame.")
     columns = [str(c) for c in names]
     chunk = int(args.chunk_mb * (1 << 20))
+    gzip = os.fspath(args.output).lower().endswith(".gz")
     with atomic_path(args.output) as tmp, _progress(args.data, args.no_progress) as bar:
         writer = None
         try:
             for table in iter_chunks(args.data, columns, chunk, bar):
                 out = _scaled(table, columns, scaler, inverse)
                 if writer is None:
-                    writer = TableWriter(tmp, out.schema, out_format)
+                    writer = TableWriter(tmp, out.schema, out_format, gzip)
                 writer.write(out)
                 del table, out  # not kept while the next chunk is read
             if writer is None:  # an empty table: write its header / schema only
                 all_names = column_names(args.data)
                 writer = TableWriter(tmp, pa.schema([(n, pa.float64() if n in columns else pa.string())
-                                                     for n in all_names]), out_format)
+                                                     for n in all_names]), out_format, gzip)
         finally:
             if writer is not None:
                 writer.close()

@@ -262,16 +262,21 @@ def iter_chunks(path, float_columns, chunk_bytes=16 << 20, progress=None, only=F
 
 
 class TableWriter:
-    """Streaming CSV (``fmt="csv"``) or Parquet (``fmt="parquet"``) writer of tables."""
+    """Streaming CSV (``fmt="csv"``, gzip-compressed with ``gzip``) or Parquet
+    (``fmt="parquet"``) writer of tables."""
 
-    def __init__(self, path, schema, fmt):
+    def __init__(self, path, schema, fmt, gzip=False):
+        self._stream = None
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
             self._writer = pq.ParquetWriter(path, schema)
         else:
+            import pyarrow as pa
             import pyarrow.csv as pcsv
 
+            if gzip:
+                path = self._stream = pa.CompressedOutputStream(path, "gzip")
             # quote only where needed, so pass-through text is written as it was read
             options = pcsv.WriteOptions(quoting_style="needed")
             self._writer = pcsv.CSVWriter(path, schema, write_options=options)
@@ -281,3 +286,5 @@ class TableWriter:
 
     def close(self):
         self._writer.close()
+        if self._stream is not None:
+            self._stream.close()
