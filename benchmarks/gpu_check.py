@@ -55,7 +55,7 @@ QK = (40, 16) if DRY else (65536, 128)          # per-head q/k norm rows
 BIG = (4, 64) if DRY else (1 << 19, 1 << 12)    # 2^31 elements
 # error floor per dtype, relative to the reference's largest magnitude
 FLOOR = {F32: 2e-5, BF16: 1.6e-2, F16: 2e-3}
-SWITCHES = {"STAGES": 1, "X0_SCALAR": False, "LANES": False, "SMALL_ROW": 0,
+SWITCHES = {"STAGES": 1, "X0_MEAN": False, "LANES": False, "SMALL_ROW": 0,
             "OCCUPANCY": False}
 
 
@@ -399,7 +399,8 @@ LN0, LN2 = (("layer_norm", s, BF16, "contiguous") for s in (ROW_SHAPES[0], ROW_S
 BN_CL = ("batch_norm", BATCH, F32, "channels_last")
 AB = {  # the cases each switch's A/B times, both sides back to back
     "STAGES": [(*LN0, "fwd+bwd"), (*BN_CL, "fwd+bwd")],
-    "X0_SCALAR": [(*LN0, "fwd"), (*LN2, "fwd")],
+    "X0_MEAN": [(*LN0, "fwd"), (*LN2, "fwd"), ("instance_norm", INSTANCE, BF16, "contiguous",
+                                                "fwd")],
     "LANES": [(*BN_CL, "fwd"), (*BN_CL, "fwd+bwd"), ("group_norm", GROUP, BF16,
                                                      "channels_last", "fwd+bwd")],
     "SMALL_ROW": [("rms_norm", QK, BF16, "contiguous", "fwd")],

@@ -51,7 +51,7 @@ def main():
     block, single = gpu._row_block(k)
     args = (x, x, x, y, w, b, mean, rstd, var, m, k, k, 1e-5)
     consts = dict(HAS_RES=False, HAS_W=True, HAS_B=True, CENTER=True, SINGLE=single,
-                  BLOCK=block, ROWS=gpu._rows_per_program(k, block), X0_SCALAR=gpu.X0_SCALAR)
+                  BLOCK=block, ROWS=gpu._rows_per_program(k, block), X0_MEAN=gpu.X0_MEAN)
     warps = gpu._warps(block)
 
     def launch():

@@ -15,7 +15,7 @@ from conftest import needs_triton_interpreter
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
-SWITCHES = ("STAGES", "X0_SCALAR", "LANES", "SMALL_ROW", "OCCUPANCY")
+SWITCHES = ("STAGES", "X0_MEAN", "LANES", "SMALL_ROW", "OCCUPANCY")
 
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,

@@ -81,7 +81,7 @@ def _load_row(X, R, H, offs, mask, HAS_RES: tl.constexpr, STORE_H: tl.constexpr)
 def _rows_fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, Var, M, K, stride_row, eps,
                      HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                      CENTER: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr,
-                     ROWS: tl.constexpr, X0_SCALAR: tl.constexpr):
+                     ROWS: tl.constexpr, X0_MEAN: tl.constexpr):
     """``ROWS`` rows per program: ``y = (h - mean) * rstd * w + b``, ``h = x (+ r)``.
 
     Statistics: each block's mean and M2 by a two-pass in registers, merged into the
@@ -93,20 +93,24 @@ def _rows_fwd_kernel(X, R, H, Y, W, B, Mean, Rstd, Var, M, K, stride_row, eps,
     rmask = rows < M
     base = (rows * stride_row)[:, None]                            # ROWS, 1
     cols = tl.arange(0, BLOCK)[None, :]                            # 1, BLOCK
-    # statistics of h - h0, h0 the row's first element: exact differences for data far
-    # from 0 with a small spread (RMSNorm: no shift)
+    # statistics of h - x0, x0 near the row's values: exact differences for data far from
+    # 0 with a small spread (RMSNorm: no shift). ``X0_MEAN``: x0 the mean of a first pass
+    # (over the row when it is one block, else over its first block), which no single
+    # element can pull away from the rest; else the row's first element, one load
     x0 = tl.zeros([ROWS, 1], dtype=tl.float32)
-    if CENTER:
-        if X0_SCALAR:                                              # one load per row
-            x0 = _load_row(X, R, H, base, rmask[:, None], HAS_RES, False)
-        else:                                                      # a masked row reduction
-            x0 = tl.sum(_load_row(X, R, H, base + cols, rmask[:, None] & (cols < 1), HAS_RES,
-                                  False), axis=1)[:, None]
+    if CENTER and not X0_MEAN:
+        x0 = _load_row(X, R, H, base, rmask[:, None], HAS_RES, False)
+    if CENTER and X0_MEAN and not SINGLE:                          # (ROWS = 1, K > BLOCK)
+        first = _load_row(X, R, H, base + cols, rmask[:, None], HAS_RES, False)
+        x0 = (tl.sum(first, axis=1) / BLOCK)[:, None]
     if SINGLE:                                                     # the row is one block
         mask = rmask[:, None] & (cols < K)                         # ROWS, BLOCK
-        d = tl.where(mask, _load_row(X, R, H, base + cols, mask, HAS_RES, True) - x0, 0.0)
+        d = tl.where(mask, _load_row(X, R, H, base + cols, mask, HAS_RES, True), 0.0)
         mean = tl.zeros([ROWS], dtype=tl.float32)
         if CENTER:
+            if X0_MEAN:
+                x0 = (tl.sum(d, axis=1) / K)[:, None]
+            d = tl.where(mask, d - x0, 0.0)
             mean = tl.sum(d, axis=1) / K                           # mean - x0; ROWS
             d = tl.where(mask, d - mean[:, None], 0.0)
         var = tl.sum(d * d, axis=1) / K                            # ROWS
@@ -281,7 +285,7 @@ def _rows_param_kernel(G, S, W, B, Mean, Rstd, DWp, DBp, M, K, rows_per_prog,
 @triton.jit
 def _nc_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, LANES: tl.constexpr,
-                       STAGES: tl.constexpr):
+                       STAGES: tl.constexpr, X0_MEAN: tl.constexpr):
     """Per-(n, c) mean and M2 over one range of positions: program (n, cb, p) covers the
     channels ``[cb * BLOCK_C, ...)`` and positions ``[p * s_per_part, ...)`` of sample n,
     in (BLOCK_C x BLOCK_S) tiles. ``LANES``: each element of the tile keeps its own
@@ -302,9 +306,16 @@ def _nc_moments_kernel(X, PMean, PM2, C, S, s_per_part, sxn, sxc, sxs,
     lmean = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)         # mean - x0, M2
     lm2 = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
     base = X + n * sxn + cs[:, None].to(tl.int64) * sxc
-    # moments of x - x0, x0 each channel's first value in the part (see the rows kernel)
-    x0 = tl.load(X + n * sxn + cs.to(tl.int64) * sxc + s0.to(tl.int64) * sxs, mask=cmask,
-                 other=0.0).to(tl.float32)                         # BLOCK_C
+    # moments of x - x0, x0 per channel near its values in the part (see the rows kernel):
+    # ``X0_MEAN``, the mean of its first tile of positions; else its first value
+    if X0_MEAN:
+        ss = s0 + tl.arange(0, BLOCK_S)
+        mask = cmask[:, None] & (ss < s1)[None, :]
+        first = tl.load(base + ss[None, :].to(tl.int64) * sxs, mask=mask, other=0.0)
+        x0 = tl.sum(first.to(tl.float32), axis=1) / tl.maximum(tl.minimum(s1 - s0, BLOCK_S), 1)
+    else:
+        x0 = tl.load(X + n * sxn + cs.to(tl.int64) * sxc + s0.to(tl.int64) * sxs, mask=cmask,
+                     other=0.0).to(tl.float32)                     # BLOCK_C
     for sb in tl.range(s0, s1, BLOCK_S, num_stages=STAGES):
         ss = sb + tl.arange(0, BLOCK_S)                            # BLOCK_S
         mask = cmask[:, None] & (ss < s1)[None, :]                 # BLOCK_C, BLOCK_S

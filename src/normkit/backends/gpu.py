@@ -48,7 +48,7 @@ INTERPRETER_SMS = 4   # the "device" of CPU tensors in interpreter mode
 # Kernel variants from the review of the kernels (docs/gpu.md), each a switch so that
 # benchmarks/gpu_check.py can time both sides in one run; unmeasured until then.
 STAGES = 3            # loads of the rows / positions loops pipelined (tl.range); 1: off
-X0_SCALAR = True      # LayerNorm forward's shift x0 by one load, not a masked row sum
+X0_MEAN = True        # the moments' shift x0: a first pass's mean, not the first element
 LANES = True          # per-(n, c) sums kept per tile element, reduced once after the loop
 SMALL_ROW = 256       # rows of at most this many elements: several per program; 0: off
 OCCUPANCY = True      # rows backward: programs per SM from the registers its block needs
@@ -177,7 +177,7 @@ def rows_forward(x, residual, weight, bias, eps, center):
         x, x if residual is None else residual, x if h is None else h, y,
         x if w is None else w, x if b is None else b, mean, rstd, var, m, k, k, float(eps),
         HAS_RES=residual is not None, HAS_W=w is not None, HAS_B=b is not None,
-        CENTER=bool(center), SINGLE=single, BLOCK=block, ROWS=rows, X0_SCALAR=X0_SCALAR,
+        CENTER=bool(center), SINGLE=single, BLOCK=block, ROWS=rows, X0_MEAN=X0_MEAN,
         num_warps=_warps(block * rows))
     return y, h, mean, rstd, var
 
@@ -309,7 +309,7 @@ def _nc_forward(x, grouping, weight, bias, eps, mean, rstd, act=None):
         pm2 = torch.empty((n, parts, c), dtype=torch.float32, device=dev)
         _k()._nc_moments_kernel[(n, _cdiv(c, block_c), parts)](
             x3, pmean, pm2, c, s, spp, *x3.stride(), BLOCK_C=block_c, BLOCK_S=block_s,
-            LANES=LANES, STAGES=STAGES, num_warps=_warps(block_c * block_s))
+            LANES=LANES, STAGES=STAGES, X0_MEAN=X0_MEAN, num_warps=_warps(block_c * block_s))
         per = n if grouping.kind == "batch" else 1   # samples per statistic
         mean, mean_lo, var, rstd = torch.empty((4, n // per * groups), dtype=torch.float32,
                                                device=dev)            # 4 x (A * G)
