@@ -86,7 +86,7 @@ def _matrix(table, columns):
 
 def _fit_columns(args):
     """The columns to fit: ``--columns``, or the numeric ones (the others listed on stderr)."""
-    from normkit.cli.scale.tables import TableFormatError, file_format, read_columns, read_types
+    from normkit.cli.scale.tables import TableFormatError, file_format, read_columns
 
     names, numeric, text, empty = read_columns(args.data[0])
     if args.columns:
@@ -96,18 +96,16 @@ def _fit_columns(args):
             raise TableFormatError(f"{args.data[0]}: has no columns {unknown} (it has {names}).")
         typed_text = [c for c in columns if c in text and file_format(args.data[0]) == "parquet"]
         if typed_text:  # a CSV column is checked value by value as it is read, with its line
-            types = read_types(args.data[0])
             raise TableFormatError(f"{args.data[0]}: the columns {typed_text} hold no numbers (types "
-                                   f"{', '.join(types[c] for c in typed_text)}); leave them out of "
+                                   f"{', '.join(text[c] for c in typed_text)}); leave them out of "
                                    "--columns.")
         return columns
     if not numeric:
         raise TableFormatError(f"{args.data[0]}: has no numeric columns to scale (columns: {names}); "
                                "name them with --columns.")
     if text and file_format(args.data[0]) == "parquet":
-        types = read_types(args.data[0])
         print(f"normkit scale: not scaling {len(text)} column(s) of types other than numbers: "
-              f"{', '.join(f'{c} ({types[c]})' for c in text)}", file=sys.stderr)
+              f"{', '.join(f'{c} ({t})' for c, t in text.items())}", file=sys.stderr)
     elif text:
         print(f"normkit scale: not scaling {len(text)} column(s) that hold text, not numbers: "
               f"{', '.join(text)}", file=sys.stderr)

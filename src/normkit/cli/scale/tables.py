@@ -19,11 +19,11 @@ scanned again with Python's ``csv`` module (streaming too) to name the first bad
 
 from __future__ import annotations
 
+import collections
 import csv
 import os
 
-__all__ = ["TableFormatError", "TableWriter", "column_names", "file_format", "iter_chunks", "read_columns",
-           "read_types"]
+__all__ = ["TableFormatError", "TableWriter", "column_names", "file_format", "iter_chunks", "read_columns"]
 
 # pyarrow's CSV reader keeps about this many blocks in flight (read ahead, parsing, converting)
 BLOCKS_PER_CHUNK = 32
@@ -113,7 +113,7 @@ def column_names(path):
 
 
 def _unique(path, names):
-    twice = sorted({n for n in names if list(names).count(n) > 1})
+    twice = sorted(n for n, count in collections.Counter(names).items() if count > 1)
     if twice:
         raise TableFormatError(f"{path}: the column names {twice} are each used more than once; "
                                "a column is found by its name, so give each its own.")
@@ -122,7 +122,8 @@ def _unique(path, names):
 
 def read_columns(path):
     """``(names, numeric, text, empty)``: all column names, those holding numbers, those
-    holding text, and those holding nothing.
+    holding text or another type that is no number (a dict of their type names), and those
+    holding nothing.
 
     Parquet: by type (``null``: empty). CSV: from its first MiB; a column is numeric when
     most of its non-empty values there are numbers (a stray text value, there or further
@@ -149,13 +150,8 @@ def read_columns(path):
                 empty.append(field.name)
             elif 2 * sum(_is_number(v, nulls) for v in values) > len(values):
                 numeric.append(field.name)
-    text = [n for n in schema.names if n not in numeric and n not in empty]
+    text = {f.name: str(f.type) for f in schema if f.name not in numeric and f.name not in empty}
     return _unique(path, schema.names), numeric, text, empty
-
-
-def read_types(path):
-    """``{name: type}`` of a Parquet file's columns, as pyarrow names the types."""
-    return {field.name: str(field.type) for field in _parquet(path).schema_arrow}
 
 
 def _open_text(path):
