@@ -110,6 +110,22 @@ def test_batch_norm_rows_of_channels_same_bits_on_any_threads(shape, node, dtype
     cases.check_against_torch(results[1], want, dtype)
 
 
+def _formula(x, w, b, dims):
+    """The normalization over ``dims`` with per-channel w and b, in torch ops (the oracle
+    where torch's own kernels are wrong)."""
+    view = [1, -1] + [1] * (x.dim() - 2)
+    mean = x.mean(dims, keepdim=True)
+    var = x.var(dims, keepdim=True, unbiased=False)
+    return (x - mean) / torch.sqrt(var + 1e-5) * w.view(view) + b.view(view)
+
+
+def _assert_within(got, want, names, what, bound=1e-6):
+    """Each of ``got`` within ``bound`` of ``want``, relative to its largest value."""
+    for name, g, e in zip(names, got, want):
+        err = ((g - e).abs().max() / e.abs().max()).item()
+        assert err < bound, f"{what} {name}: relative error {err:.1e}"
+
+
 @pytest.mark.parametrize("shape", [(1, 3, 5, 5), (1, 16, 24, 24), (2, 16, 24, 24)], ids=str)
 def test_instance_norm_of_channels_last_gradients(shape):
     """InstanceNorm of channels_last input with a channels_last gradient (what autograd
@@ -123,23 +139,16 @@ def test_instance_norm_of_channels_last_gradients(shape):
              for _ in range(2))
     w, b = torch.rand(shape[1], generator=gen) + 0.5, torch.randn(shape[1], generator=gen)
 
-    def formula(x, w, b):
-        mean = x.mean((2, 3), keepdim=True)
-        var = x.var((2, 3), keepdim=True, unbiased=False)
-        return (x - mean) / torch.sqrt(var + 1e-5) * w.view(1, -1, 1, 1) + b.view(1, -1, 1, 1)
-
     def run(fn, dtype):
         xi, wi = (t.to(dtype).detach().requires_grad_() for t in (x, w))
         y = fn(xi, wi, b.to(dtype))
         y.backward(dy.to(dtype))
         return [t.detach().double() for t in (y, xi.grad, wi.grad)]
 
-    want = run(formula, torch.float64)
+    want = run(lambda x, w, b: _formula(x, w, b, (2, 3)), torch.float64)
     for got in (run(lambda x, w, b: NF.instance_norm(x, weight=w, bias=b), torch.float32),
                 run(lambda x, w, b: NF.instance_norm(x, weight=w, bias=b), torch.float64)):
-        for name, g, e in zip(("y", "dx", "dweight"), got, want):
-            err = ((g - e).abs().max() / e.abs().max()).item()
-            assert err < 1e-6, f"{shape} {name}: relative error {err:.1e}"
+        _assert_within(got, want, ("y", "dx", "dweight"), shape)
 
 
 @pytest.mark.parametrize("shape, strides", [((2, 3, 1, 4), (12, 1, 1, 3)),
@@ -149,7 +158,7 @@ def test_instance_norm_of_channels_last_gradients(shape):
 def test_batch_norm_of_channels_last_with_odd_strides_on_size_one_dims(shape, strides):
     """BatchNorm of a channels_last input whose size-1 dims have strides other than the
     canonical ones (what a transpose or permute leaves there), with a contiguous gradient:
-    y, dx, dweight and dbias against float64 autograd of the formula. torch 2.13's CPU
+    dx, dweight and dbias against float64 autograd of the formula. torch 2.13's CPU
     ``F.batch_norm`` backward gets these wrong (dweight and dbias off by 100 % and more),
     so torch is no oracle here."""
     import normkit.functional as NF
@@ -159,12 +168,6 @@ def test_batch_norm_of_channels_last_with_odd_strides_on_size_one_dims(shape, st
     dy = torch.randn(shape, generator=gen)
     w, b = torch.rand(shape[1], generator=gen) + 0.5, torch.randn(shape[1], generator=gen)
     dims = [0] + list(range(2, len(shape)))
-    view = [1, -1] + [1] * (len(shape) - 2)
-
-    def formula(x, w, b):
-        mean = x.mean(dims, keepdim=True)
-        var = x.var(dims, keepdim=True, unbiased=False)
-        return (x - mean) / torch.sqrt(var + 1e-5) * w.view(view) + b.view(view)
 
     def run(fn, dtype):
         xi = (x.double().contiguous() if dtype == torch.float64
@@ -174,11 +177,9 @@ def test_batch_norm_of_channels_last_with_odd_strides_on_size_one_dims(shape, st
         fn(xi, wi, bi).backward(dy.to(dtype))
         return [t.detach().double() for t in (xi.grad, wi.grad, bi.grad)]
 
-    want = run(formula, torch.float64)
+    want = run(lambda x, w, b: _formula(x, w, b, dims), torch.float64)
     got = run(lambda x, w, b: NF.batch_norm(x, None, None, w, b, training=True), torch.float32)
-    for name, g, e in zip(("dx", "dweight", "dbias"), got, want):
-        err = ((g - e).abs().max() / e.abs().max()).item()
-        assert err < 1e-6, f"{shape} {strides} {name}: relative error {err:.1e}"
+    _assert_within(got, want, ("dx", "dweight", "dbias"), f"{shape} {strides}")
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -201,6 +202,4 @@ def test_group_norm_of_channels_last_gradients_of_the_parameters_alone(groups):
         return [t.grad.double() for t in (wi, bi)]
 
     want = run(torch.nn.functional.group_norm, x.double().contiguous(), torch.float64)
-    for name, g, e in zip(("dweight", "dbias"), run(NF.group_norm, x, torch.float32), want):
-        err = ((g - e).abs().max() / e.abs().max()).item()
-        assert err < 1e-6, f"{name}: relative error {err:.1e}"
+    _assert_within(run(NF.group_norm, x, torch.float32), want, ("dweight", "dbias"), groups)
