@@ -113,23 +113,16 @@ def _long_cases():
 
 
 def _on_interpreted_gpu(sms):
-    """Route normkit's ops on CPU tensors to the GPU backend (TRITON_INTERPRET=1 is set)."""
-    from normkit import backends
+    """Route normkit's ops on CPU tensors to the GPU backend (TRITON_INTERPRET=1 is set), as
+    the interpreter tests do (``tests/_triton_interp_check.py``, whose routing this uses),
+    launched as on ``sms`` multiprocessors."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from _triton_interp_check import _via_dispatch
+
     from normkit.backends import gpu
 
-    class Cuda:          # a CPU tensor that says it is on a CUDA device, for ``supports``
-        def __init__(self, t):
-            self.t = t
-
-        def __getattr__(self, name):
-            return getattr(self.t, name)
-
-        device = torch.device("cuda")
-
-    real = gpu.supports
-    gpu.supports = lambda x, *args: real(Cuda(x), *args)
+    _via_dispatch()
     gpu.INTERPRETER_SMS = sms
-    backends._loaded = (gpu,)
 
 
 def _long(gen, which=None, label="normkit"):
