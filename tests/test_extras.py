@@ -61,6 +61,15 @@ def test_a_command_says_which_extra_and_exits_2():
     assert "normkit demo needs torch" in out and "normkit[torch]" in out and "exit 2" in out
 
 
+@pytest.mark.parametrize("blocked", ["pyarrow", "sklearn"])
+def test_scale_names_both_extras_it_needs_once(blocked, tmp_path):
+    data = tmp_path / "t.csv"
+    data.write_text("a,b\n1,2\n3,5\n")
+    out = _run(blocked, f"cli scale fit {data} -o {tmp_path / 's.json'}")
+    assert f"error: it needs {blocked}," in out and out.count("pip install") == 1, out
+    assert "normkit[io,sklearn]" in out and "exit 2" in out, out
+
+
 def test_other_errors_pass_through():
     error = ModuleNotFoundError("No module named 'yaml'", name="yaml")
     assert _extras.message(error, "x") is None and _extras.needs(error, "x") is error

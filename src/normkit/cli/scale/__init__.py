@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import sys
 
+from normkit._extras import message
+
 
 def register(subparsers):
     p = subparsers.add_parser("scale", help="fit / apply / invert a feature scaler on CSV or Parquet files",
@@ -218,9 +220,11 @@ def _run(args):
         if args.scale_command == "fit":
             return _fit(args)
         return _apply(args, inverse=args.scale_command == "inverse")
-    except ImportError as exc:
-        print(f"normkit scale: error: {exc}; install the extras: pip install 'normkit[io,sklearn]'",
-              file=sys.stderr)
+    except ModuleNotFoundError as exc:  # one message naming both extras the command needs
+        if message(exc, "normkit scale") is None:
+            raise
+        print(f"normkit scale: error: it needs {exc.name.partition('.')[0]}, which is not installed "
+              "here: pip install 'normkit[io,sklearn]'", file=sys.stderr)
         return 2
     except (ValueError, OSError) as exc:
         print(f"normkit scale: error: {exc}", file=sys.stderr)
