@@ -39,7 +39,7 @@ def _load_from(folder):
 
 def _copy_of_the_build(tmp_path):
     built = Path(native.extension().__file__).parent
-    return Path(shutil.copytree(built, tmp_path / "normkit_native", symlinks=True,
+    return Path(shutil.copytree(built, tmp_path / built.name, symlinks=True,
                                 ignore=shutil.ignore_patterns("lock", "normkit.lock")))
 
 
@@ -92,6 +92,27 @@ def test_a_build_in_progress_is_waited_for(tmp_path):
         loading.kill()
     assert loading.returncode == 0, err
     assert "removing" not in err, err
+
+
+_FOLDER = "from normkit.backends.cpu import native; print(native.build_folder())"
+
+
+def test_each_install_builds_in_a_folder_of_its_own(tmp_path):
+    # one folder for every install on a machine: a checkout and a wheel (two environments)
+    # each rebuilt the executor, 20-40 s, at every switch between them
+    assert Path(native.extension().__file__).parent == native.build_folder()
+    src = Path(native.__file__).parents[3]
+    other = tmp_path / "other-install"
+    shutil.copytree(src / "normkit", other / "normkit",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    folders = {}
+    for name, where in [("this", src), ("again", src), ("other", other)]:
+        env["PYTHONPATH"] = str(where)
+        folders[name] = subprocess.run([sys.executable, "-c", _FOLDER], env=env, check=True,
+                                       capture_output=True, text=True, timeout=120).stdout.strip()
+    assert folders["this"] == folders["again"] != folders["other"], folders
+    assert all(Path(f).parent == tmp_path / "extensions" for f in folders.values()), folders
 
 
 _NO_COMPILER = """

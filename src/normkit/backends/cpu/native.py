@@ -13,10 +13,10 @@ same behind a ``torch::autograd::Function``, whose backward is differentiated th
 ``torch.ops.normkit.norm_backward`` (double backward).
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is
-needed on a machine (a C++ compiler and ninja, about 20-40 s, announced on standard
-error, while the first call's kernels compile; cached in torch's extension folder,
-``TORCH_EXTENSIONS_DIR``, and loaded in milliseconds after); ``python -m
-normkit.backends.cpu`` compiles it ahead of time (``make setup`` does). Without a
+needed by an install (a C++ compiler and ninja, about 20-40 s, announced on standard
+error, while the first call's kernels compile; cached in the install's own folder below
+torch's extension folder, ``TORCH_EXTENSIONS_DIR``, and loaded in milliseconds after);
+``python -m normkit.backends.cpu`` compiles it ahead of time (``make setup`` does). Without a
 compiler, or with ``NORMKIT_NATIVE=0``, there is no CPU executor: every CPU call takes the
 composite torch path (``normkit.backends.torch_ops``: correct, slower), with one warning
 that says so.
@@ -25,6 +25,7 @@ that says so.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 import threading
@@ -37,7 +38,7 @@ import torch
 from normkit.backends import _parallel
 from normkit.backends.cpu import args, compiling
 
-__all__ = ["build", "extension", "enabled", "switch"]
+__all__ = ["build", "build_folder", "extension", "enabled", "switch"]
 
 #: the extension's C++ sources, in this package: the executor, and what it does to tensors
 #: beside running kernels
@@ -126,7 +127,7 @@ def _load(meanwhile=None):
 
     sources = [Path(__file__).with_name(name) for name in SOURCES]
     try:
-        folder = Path(cpp_extension._get_build_directory("normkit_native", False))
+        folder = build_folder()
         building = _say_if_building(folder, sources)
     except OSError:            # (no extension folder: the build meets it too, and says so)
         folder, building = None, False
@@ -145,7 +146,8 @@ def _build(cpp_extension, sources, folder):
     try:
         with _ninja_on_path(), _sole_builder(folder):
             ext = cpp_extension.load(name="normkit_native", sources=[str(s) for s in sources],
-                                     extra_cflags=["-O2"])
+                                     extra_cflags=["-O2"],
+                                     build_directory=None if folder is None else str(folder))
         ext.set_slots(args.SLOTS)
         team = _parallel.team_addresses()
         if team is not None:
@@ -161,6 +163,17 @@ def _build(cpp_extension, sources, folder):
         return False
 
 
+def build_folder() -> Path:
+    """The folder this install builds its extension in: one per folder of normkit's
+    sources, below torch's extension folder. One shared by every install made two of them
+    on a machine (two environments, a checkout beside a wheel) rebuild it in turn, 20-40 s
+    at each switch, as torch's build rebuilds for sources at another path."""
+    from torch.utils import cpp_extension
+
+    key = hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:12]
+    return Path(cpp_extension._get_build_directory(f"normkit_native-{key}", False))
+
+
 def _say_if_building(folder, sources) -> bool:
     """Whether a build comes (none built for these sources yet), said in one line on
     standard error: what, how long, and how to do it ahead of time."""
@@ -169,7 +182,7 @@ def _say_if_building(folder, sources) -> bool:
     if (ninja.exists() and all(str(source) in ninja.read_text() for source in sources)
             and any(p.stat().st_mtime >= newer for p in folder.glob("normkit_native*.so"))):
         return False
-    print("normkit: compiling its C++ executor once for this machine (about 20-40 s); "
+    print("normkit: compiling its C++ executor once for this install (about 20-40 s); "
           "`python -m normkit.backends.cpu` does it ahead of time", file=sys.stderr, flush=True)
     return True
 
