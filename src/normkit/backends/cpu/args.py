@@ -113,7 +113,7 @@ _CALLBACKS = {}
 #: prints ``_NOTICE`` on standard error, once per process
 NOTICE_AFTER_S = 1.0
 _NOTICE = "normkit: compiling the CPU kernels of this kind of call (1-11 s each, {}"
-_CACHED = ("once per machine: cached on disk); `python -m normkit.backends.cpu` compiles "
+_CACHED = ("once per install: cached on disk); `python -m normkit.backends.cpu` compiles "
            "them ahead")
 _UNCACHED = ("in each process: numba finds no writable folder to cache them; set "
              "NUMBA_CACHE_DIR)")
