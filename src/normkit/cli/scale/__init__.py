@@ -37,7 +37,8 @@ def register(subparsers):
     f.add_argument("data", nargs="+", metavar="DATA", help="CSV or Parquet files (same columns)")
     f.add_argument("--method", choices=("standard", "minmax"), default="standard")
     f.add_argument("-o", "--output", required=True, help="scaler file to write (JSON)")
-    f.add_argument("--columns", help="comma-separated columns to scale (default: all numeric)")
+    f.add_argument("--columns", help='comma-separated columns to scale (default: all numeric); '
+                   'a name with a comma in double quotes: \'a,"b, c"\'')
     f.add_argument("--feature-range", nargs=2, type=float, default=(0.0, 1.0), metavar=("LO", "HI"),
                    help="target range for --method minmax (default 0 1)")
     f.add_argument("--clip", action="store_true", help="minmax: clip transformed values to the range")
@@ -92,10 +93,7 @@ def _fit_columns(args):
 
     names, numeric, text, empty = read_columns(args.data[0])
     if args.columns:
-        columns = [c.strip() for c in args.columns.split(",") if c.strip()]
-        unknown = [c for c in columns if c not in names]
-        if unknown:
-            raise TableFormatError(f"{args.data[0]}: has no columns {unknown} (it has {names}).")
+        columns = _listed(args.columns, names, args.data[0])
         typed_text = [c for c in columns if c in text and file_format(args.data[0]) == "parquet"]
         if typed_text:  # a CSV column is checked value by value as it is read, with its line
             raise TableFormatError(f"{args.data[0]}: the columns {typed_text} hold no numbers (types "
@@ -117,6 +115,28 @@ def _fit_columns(args):
               f"{', '.join(empty)} (--columns names them to scale them all the same)",
               file=sys.stderr)
     return numeric
+
+
+def _listed(text, names, path):
+    """The table's columns that ``--columns`` lists: one CSV record of names (a name holding
+    a comma in double quotes). A name matches a column exactly, else a column alike but for
+    surrounding spaces (a header "a, b" has the column " b")."""
+    import csv
+
+    from normkit.cli.scale.tables import TableFormatError
+
+    picked, unknown = [], []
+    for name in next(csv.reader([text])):
+        alike = [c for c in names if c.strip() == name.strip()]
+        if name in names or len(alike) == 1:
+            picked.append(name if name in names else alike[0])
+        elif name.strip():
+            unknown.append(name)
+    if unknown:
+        raise TableFormatError(f"{path}: has no column {' and no column '.join(map(repr, unknown))} "
+                               f"(it has {names}); a name holding a comma goes in double quotes: "
+                               '--columns \'a,"b, c"\'')
+    return list(dict.fromkeys(picked))
 
 
 def _named(error, columns) -> str:
