@@ -436,3 +436,15 @@ def test_columns_with_spaces_and_commas_in_their_names_can_be_listed(tmp_path, c
                    "--no-progress") == 1
     assert "has no column 'c' (it has ['a', ' b', 'c,d', 'e']); a name holding a comma" in (
         capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("header,bad,column", [("a, b", "3,x", " b"), ("\ufeffa,b", "x,3", "a")])
+def test_a_bad_value_is_located_under_a_spaced_header_or_a_byte_order_mark(
+        tmp_path, capsys, header, bad, column):
+    # the line finder stripped the header's names (" b" became "b", not pyarrow's name) and
+    # kept the mark ("\ufeffa"), so it found no column and gave pyarrow's bare message
+    data = tmp_path / "d.csv"
+    data.write_text(f"{header}\n1,2\n{bad}\n4,5\n6,7\n8,9\n", encoding="utf-8")
+    assert normkit("scale", "fit", data, "-o", tmp_path / "s.json", "--no-progress") == 1
+    err = capsys.readouterr().err
+    assert f"d.csv:3: column {column} holds 'x', not a number" in err, err

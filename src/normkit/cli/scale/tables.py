@@ -158,8 +158,8 @@ def _open_text(path):
     if os.fspath(path).lower().endswith(".gz"):
         import gzip
 
-        return gzip.open(path, "rt", newline="", encoding="utf-8", errors="replace")
-    return open(path, newline="", encoding="utf-8", errors="replace")
+        return gzip.open(path, "rt", newline="", encoding="utf-8-sig", errors="replace")
+    return open(path, newline="", encoding="utf-8-sig", errors="replace")
 
 
 def _first_bad_csv_line(path, numeric):
@@ -170,8 +170,8 @@ def _first_bad_csv_line(path, numeric):
         header = next(reader, None)
         if header is None:
             return None
-        names = [h.strip() for h in header]
-        index = [names.index(c) for c in numeric if c in names]
+        # names as pyarrow gives them: surrounding spaces kept, a byte-order mark dropped
+        index = [header.index(c) for c in numeric if c in header]
         for row in reader:
             if not row:
                 continue
@@ -180,7 +180,7 @@ def _first_bad_csv_line(path, numeric):
                         "fix or remove that line")
             for j in index:
                 if not _is_number(row[j], nulls):
-                    return (reader.line_num, f"column {names[j]} holds {row[j]!r}, not a number",
+                    return (reader.line_num, f"column {header[j]} holds {row[j]!r}, not a number",
                             "fix that value, or leave the column out with --columns")
     return None
 
