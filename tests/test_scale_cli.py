@@ -448,3 +448,15 @@ def test_a_bad_value_is_located_under_a_spaced_header_or_a_byte_order_mark(
     assert normkit("scale", "fit", data, "-o", tmp_path / "s.json", "--no-progress") == 1
     err = capsys.readouterr().err
     assert f"d.csv:3: column {column} holds 'x', not a number" in err, err
+
+
+@pytest.mark.parametrize("text", ["a;b\n1;2\n3;5\n", "a;b\n1,5;2\n3;5\n", "a\tb\n1\t2\n"])
+def test_a_file_separated_by_another_character_is_named_as_such(tmp_path, capsys, text):
+    # a semicolon-separated file read as one column: "no numeric columns", or a row of two
+    # fields where the decimal mark is a comma ("expected 1 fields, got 2")
+    data = tmp_path / "d.csv"
+    data.write_text(text)
+    assert normkit("scale", "fit", data, "-o", tmp_path / "s.json", "--no-progress") == 1
+    sep = "tabs" if "\t" in text else "semicolons"
+    assert (f"its header has no comma but {sep}: normkit scale reads comma-separated files, so "
+            "convert it first.") in capsys.readouterr().err

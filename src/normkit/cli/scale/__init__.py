@@ -89,7 +89,7 @@ def _matrix(table, columns):
 
 def _fit_columns(args):
     """The columns to fit: ``--columns``, or the numeric ones (the others listed on stderr)."""
-    from normkit.cli.scale.tables import TableFormatError, file_format, read_columns
+    from normkit.cli.scale.tables import TableFormatError, file_format, read_columns, separator_hint
 
     names, numeric, text, empty = read_columns(args.data[0])
     if args.columns:
@@ -102,7 +102,7 @@ def _fit_columns(args):
         return columns
     if not numeric:
         raise TableFormatError(f"{args.data[0]}: has no numeric columns to scale (columns: {names}); "
-                               "name them with --columns.")
+                               f"{separator_hint(names) or 'name them with --columns'}.")
     if text and file_format(args.data[0]) == "parquet":
         print(f"normkit scale: not scaling {len(text)} column(s) of types other than numbers: "
               f"{', '.join(f'{c} ({t})' for c, t in text.items())}", file=sys.stderr)

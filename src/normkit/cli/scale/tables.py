@@ -177,12 +177,22 @@ def _first_bad_csv_line(path, numeric):
                 continue
             if len(row) != len(header):
                 return (reader.line_num, f"malformed row: expected {len(header)} fields, got {len(row)}",
-                        "fix or remove that line")
+                        separator_hint(header) or "fix or remove that line")
             for j in index:
                 if not _is_number(row[j], nulls):
                     return (reader.line_num, f"column {header[j]} holds {row[j]!r}, not a number",
                             "fix that value, or leave the column out with --columns")
     return None
+
+
+def separator_hint(names) -> str:
+    """What to do with a CSV file whose header is one name holding another separator (a
+    semicolon-separated file, as spreadsheets write where the comma is the decimal mark,
+    or a tab-separated one); "" for any other header."""
+    seps = [name for name, sep in (("semicolons", ";"), ("tabs", "\t"), ("bars", "|"))
+            if len(names) == 1 and sep in names[0]]
+    return (f"its header has no comma but {seps[0]}: normkit scale reads comma-separated "
+            "files, so convert it first" if seps else "")
 
 
 def _csv_error(path, exc, numeric=()):
