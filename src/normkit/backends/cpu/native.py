@@ -165,9 +165,9 @@ def _build(cpp_extension, sources, folder):
 
 def build_folder() -> Path:
     """The folder this install builds its extension in: one per folder of normkit's
-    sources, below torch's extension folder. One shared by every install made two of them
-    on a machine (two environments, a checkout beside a wheel) rebuild it in turn, 20-40 s
-    at each switch, as torch's build rebuilds for sources at another path."""
+    sources, below torch's extension folder. With one folder for all, two installs on a
+    machine (two environments, a checkout beside a wheel) rebuilt it in turn, 20-40 s at
+    each switch: torch's build starts over for sources at another path."""
     from torch.utils import cpp_extension
 
     key = hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:12]
