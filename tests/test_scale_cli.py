@@ -436,6 +436,9 @@ def test_columns_with_spaces_and_commas_in_their_names_can_be_listed(tmp_path, c
                    "--no-progress") == 1
     assert "has no column 'c' (it has ['a', ' b', 'c,d', 'e']); a name holding a comma" in (
         capsys.readouterr().err)
+    assert normkit("scale", "fit", data, "--columns", " ,", "-o", tmp_path / "t.json",
+                   "--no-progress") == 1
+    assert "--columns ' ,' names no column" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("header,bad,column", [("a, b", "3,x", " b"), ("\ufeffa,b", "x,3", "a")])

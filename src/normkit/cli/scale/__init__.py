@@ -132,6 +132,8 @@ def _listed(text, names, path):
             picked.append(name if name in names else alike[0])
         elif name.strip():
             unknown.append(name)
+    if not picked and not unknown:
+        raise TableFormatError(f"--columns {text!r} names no column; list them by name (it has {names}).")
     if unknown:
         raise TableFormatError(f"{path}: has no column {' and no column '.join(map(repr, unknown))} "
                                f"(it has {names}); a name holding a comma goes in double quotes: "
