@@ -244,7 +244,8 @@ def group_moments(values, groups, n_groups, shift, weights=None):
     count, mean, resid, squares, held = _group_moments_nb(values, groups, n_groups, shift, w,
                                                           has_w)
     safe = np.where(count == 0, 1.0, count)
-    return Moments(count, mean + resid / safe, squares - resid * resid / safe, shift), held
+    with np.errstate(invalid="ignore"):  # inf - inf where a group holds infinity (refused later)
+        return Moments(count, mean + resid / safe, squares - resid * resid / safe, shift), held
 
 
 def column_moments(X, shift, weights=None) -> Moments:
