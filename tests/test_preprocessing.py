@@ -93,8 +93,10 @@ def _needs_a_missing_gpu(check) -> bool:
                                                 for v in keywords.values()}
     if "cuda" not in devices:
         return False
-    import torch
-
+    try:
+        import torch
+    except ModuleNotFoundError:    # (the scalers' own install: NumPy and scikit-learn alone)
+        return True
     return not torch.cuda.is_available()
 
 
