@@ -68,6 +68,42 @@ def test_revert_restores_torch_layers():
         assert torch.equal(a, b), n
 
 
+class _Shared(nn.Module):
+    """One LayerNorm and one BatchNorm registered under several names (two attributes, a
+    ModuleList), each called once per name."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = self.alias = nn.LayerNorm(8)
+        self.bn = nn.BatchNorm1d(8)
+        self.stack = nn.ModuleList([self.norm, self.bn, self.bn])
+
+    def forward(self, x):
+        return self.stack[2](self.stack[1](self.alias(self.norm(self.stack[0](x)))))
+
+
+def test_a_module_under_several_names_becomes_one_twin_at_each():
+    # the walk took each parent's children once (named_children), so `self.alias` stayed a
+    # torch LayerNorm, unreported, and the ModuleList got twins of their own: three objects
+    # where there was one
+    torch.manual_seed(0)
+    model = _Shared()
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    report = normkit.convert(model)
+    assert type(model.norm) is nknn.LayerNorm and type(model.bn) is nknn.BatchNorm1d
+    assert model.norm is model.alias is model.stack[0]
+    assert model.bn is model.stack[1] is model.stack[2]
+    assert sorted(name for name, _, _ in report.swapped) == ["bn", "norm"], report.swapped
+    y, r = model(x), ref(x)
+    torch.testing.assert_close(y, r)
+    torch.testing.assert_close(model.bn.running_var, ref.bn.running_var)
+    assert int(model.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked) == 2
+    normkit.revert(model)
+    assert type(model.norm) is nn.LayerNorm and model.norm is model.alias is model.stack[0]
+    assert type(model.bn) is nn.BatchNorm1d and model.bn is model.stack[1] is model.stack[2]
+
+
 def test_siglip_vision_model_outputs_and_gradients_identical():
     from transformers import SiglipVisionConfig, SiglipVisionModel
 

@@ -191,10 +191,16 @@ def _walk(model, one):
     if root is not None:
         report.model = root
         return report
+    done = {}   # id of a module seen -> what replaced it (None: kept), for a module registered
+    #             under several names (`self.a = self.b = norm`): one replacement, at each name
     for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            full = f"{parent_name}.{child_name}" if parent_name else child_name
-            new = visit(full, child)
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            if id(child) not in done:   # (every module stays alive in the list above)
+                done[id(child)] = visit(f"{parent_name}.{child_name}" if parent_name
+                                        else child_name, child)
+            new = done[id(child)]
             if new is not None:
                 setattr(parent, child_name, new)
     return report
