@@ -104,6 +104,57 @@ def test_a_module_under_several_names_becomes_one_twin_at_each():
     assert type(model.bn) is nn.BatchNorm1d and model.bn is model.stack[1] is model.stack[2]
 
 
+def _hooked(calls):
+    """A LayerNorm with a hook of every kind, each noting its name in ``calls``; their
+    handles."""
+    norm = nn.LayerNorm(8)
+    note = calls.append
+    return norm, [
+        norm.register_forward_pre_hook(lambda m, a: note("pre")),
+        norm.register_forward_pre_hook(lambda m, a, k: note("pre-kw"), with_kwargs=True),
+        norm.register_forward_hook(lambda m, a, k, out: note("kw"), with_kwargs=True),
+        norm.register_forward_hook(lambda m, a, out: note("always"), always_call=True),
+        norm.register_full_backward_pre_hook(lambda m, go: note("bwd-pre")),
+        norm.register_full_backward_hook(lambda m, gi, go: note("bwd")),
+        norm.register_state_dict_pre_hook(lambda m, prefix, keep: note("sd-pre")),
+        norm.register_state_dict_post_hook(lambda m, sd, prefix, local: note("sd")),
+        norm.register_load_state_dict_pre_hook(lambda m, *a: note("load-pre")),
+        norm.register_load_state_dict_post_hook(lambda m, keys: note("load")),
+    ]
+
+
+def _use(model, x):
+    model(x).sum().backward()
+    model.load_state_dict(model.state_dict())
+
+
+def test_every_kind_of_hook_carries_over_and_its_handle_removes_it():
+    # the backward hooks (their kind flag was not carried, so torch called none) and the
+    # state_dict pre and load_state_dict post hooks were lost; the handles removed the
+    # hooks from the torch layer's dicts, not the twin's
+    x = torch.randn(2, 8, requires_grad=True)
+    want, got = [], []
+    ref, _ = _hooked(want)
+    norm, handles = _hooked(got)
+    _use(nn.Sequential(ref), x)
+    assert len(set(want)) == 10, want
+    model = nn.Sequential(norm)
+    normkit.convert(model)
+    assert type(model[0]) is nknn.LayerNorm
+    _use(model, x)
+    assert got == want
+    normkit.revert(model)
+    got.clear()
+    _use(model, x)
+    assert got == want
+    normkit.convert(model)
+    for handle in handles:
+        handle.remove()
+    got.clear()
+    _use(model, x)
+    assert got == []
+
+
 def test_siglip_vision_model_outputs_and_gradients_identical():
     from transformers import SiglipVisionConfig, SiglipVisionModel
 

@@ -68,9 +68,10 @@ PAIRS = [
 
 # what every nn.Module keeps in its __dict__ (parameters, buffers, hooks, flags)
 MODULE_STATE = frozenset(vars(nn.Module()))
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-          "_state_dict_hooks", "_load_state_dict_pre_hooks", "_forward_hooks_with_kwargs",
-          "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+# its hooks: the dicts of every kind (forward, backward, state_dict, load_state_dict, their
+# pre/post, kwargs and always-called sets) and `_is_full_backward_hook`, which says which
+# kind the backward ones are
+_HOOKS = tuple(sorted(name for name in MODULE_STATE if "hook" in name))
 
 
 def table():
@@ -82,11 +83,12 @@ def table():
 
 
 def carry_module_state(source, target):
-    """Training flag and hooks of ``source`` onto ``target``."""
+    """Training flag and hooks of ``source`` onto ``target``. The hook dicts are shared, not
+    copied, so that the handles the hooks were registered with remove them from ``target``."""
     target.train(source.training)
     for attr in _HOOKS:
-        if hasattr(source, attr) and hasattr(target, attr):
-            getattr(target, attr).update(getattr(source, attr))
+        if attr in vars(source):
+            object.__setattr__(target, attr, getattr(source, attr))
 
 
 def twin(module, cls, args):
