@@ -14,6 +14,7 @@ and attributes.
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 import normkit.nn as nknn
 from normkit.conversion.classes import derived_class
@@ -89,6 +90,20 @@ def carry_module_state(source, target):
     for attr in _HOOKS:
         if attr in vars(source):
             object.__setattr__(target, attr, getattr(source, attr))
+            _rebind(getattr(target, attr), source, target)
+
+
+def _rebind(hooks, source, target):
+    """The hooks torch holds bound to ``source`` by a weak reference (load_state_dict pre
+    hooks: a ``_WrappedHook``) bound to ``target``: ``source`` is dropped after the swap,
+    and a hook still bound to it raised "You are trying to call the hook of a dead
+    Module!"."""
+    wrapped = getattr(torch_module, "_WrappedHook", None)
+    if wrapped is None or not isinstance(hooks, dict):
+        return
+    for key, hook in list(hooks.items()):
+        if isinstance(hook, wrapped) and hook.with_module and hook.module() is source:
+            hooks[key] = wrapped(hook.hook, target)
 
 
 def twin(module, cls, args):
