@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-from normkit._extras import message
+from normkit._extras import EXTRAS
 
 
 def register(subparsers):
@@ -243,10 +243,11 @@ def _run(args):
             return _fit(args)
         return _apply(args, inverse=args.scale_command == "inverse")
     except ModuleNotFoundError as exc:  # one message naming both extras the command needs
-        if message(exc, "normkit scale") is None:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in EXTRAS:
             raise
-        print(f"normkit scale: error: it needs {exc.name.partition('.')[0]}, which is not installed "
-              "here: pip install 'normkit[io,sklearn]'", file=sys.stderr)
+        print(f"normkit scale: error: it needs {missing}, which is not installed here: "
+              "pip install 'normkit[io,sklearn]'", file=sys.stderr)
         return 2
     except (ValueError, OSError) as exc:
         print(f"normkit scale: error: {exc}", file=sys.stderr)
