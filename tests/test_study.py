@@ -274,6 +274,29 @@ def test_bad_arguments_say_what_to_do(tmp_path, capsys):
     assert "at least 2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, said", [
+    (["--epochs", "0"], "--epochs must be at least 1, got 0"),  # 0 read as "the default"
+    (["--lr", "0"], "--lr must be a positive number, got 0.0"),  # likewise
+    (["--lr", "-1"], "--lr must be a positive number, got -1.0"),  # torch's message, scaled: -0.125
+    (["--lr", "nan"], "--lr must be a positive number, got nan"),
+    (["--jobs", "0"], "--jobs must be at least 1"),
+    (["--seeds", ""], "--seeds is empty"),  # an empty list read as "the default"
+    (["--batch-sizes", ","], "--batch-sizes is empty"),
+    (["--methods", ","], "--methods is empty"),
+    (["--model", "vit", "--seeds", "1"], "leave out --seeds"),  # silently ignored
+    (["--model", "vit", "--lr", "0.1", "--epochs", "2"], "leave out --epochs, --lr"),
+    (["--model", "vit", "--jobs", "-1"], "--jobs must be at least 1"),
+    (["--model", "vit", "--methods", ""], "--methods is empty"),
+])
+def test_arguments_that_would_change_nothing_are_refused(tmp_path, capsys, args, said):
+    # each was taken as the default, or ignored, or left to torch's error; refused before any training
+    from normkit.cli import main
+
+    assert main(["study", "--quick", "--out", str(tmp_path), "--no-progress", *args]) == 2
+    assert said in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("spatial", [(4, 4), (10,)])
 @pytest.mark.parametrize("method", model.available_methods())
 def test_make_norm_statistics(method, spatial):

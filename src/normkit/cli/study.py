@@ -7,6 +7,10 @@ from __future__ import annotations
 import sys
 
 
+#: the CNN study's options, which ``--model vit`` does not take
+_GRID_ONLY = ("batch_sizes", "all_batches", "grid_only", "seeds", "epochs", "min_steps", "lr")
+
+
 def _ints(text: str) -> list:
     try:
         return [int(v) for v in text.replace(",", " ").split()]
@@ -60,13 +64,13 @@ def run(args) -> int:
         print(f"normkit study needs the 'study' and 'torch' extras ({e}); "
               f"install them with: pip install 'normkit[torch,study]'", file=sys.stderr)
         return 2
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.model == "vit":
         return _run_vit(args, methods, write_report)
     try:
         results = run_study(args.out, methods=methods,
-                            batch_sizes=_ints(args.batch_sizes) if args.batch_sizes else None,
-                            seeds=_ints(args.seeds) if args.seeds else None, epochs=args.epochs,
+                            batch_sizes=None if args.batch_sizes is None else _ints(args.batch_sizes),
+                            seeds=None if args.seeds is None else _ints(args.seeds), epochs=args.epochs,
                             quick=args.quick, jobs=args.jobs, fresh=args.fresh,
                             progress=not args.no_progress, base_lr=args.lr, dataset=args.dataset,
                             all_batches=args.all_batches, min_steps=args.min_steps,
@@ -87,6 +91,11 @@ def _run_vit(args, methods, write_report) -> int:
 
     if args.dataset != "mnist1d":
         print("normkit study: --model vit trains on MNIST-1D only; leave out --dataset", file=sys.stderr)
+        return 2
+    grid_only = [f"--{name.replace('_', '-')}" for name in _GRID_ONLY if getattr(args, name) not in (None, False)]
+    if grid_only:
+        print(f"normkit study: --model vit sets its own learning rates, seeds and schedule; leave out "
+              f"{', '.join(grid_only)} (they are the CNN study's)", file=sys.stderr)
         return 2
     try:
         vit = run_vit(args.out, quick=args.quick, jobs=args.jobs, methods=methods)

@@ -8,10 +8,11 @@ transformer runs (:mod:`normkit.study.vit`).
 from __future__ import annotations
 
 import json
+import os
 
 from normkit._atomic import write_text_atomic
 
-__all__ = ["DATA", "execute", "one_thread", "save_json"]
+__all__ = ["DATA", "check_jobs", "execute", "one_thread", "save_json"]
 
 # the data, loaded once in the main process and handed to each worker when it starts
 DATA = {}
@@ -20,6 +21,16 @@ DATA = {}
 def save_json(path, results) -> None:
     """Write ``results`` to ``path`` as JSON, atomically (a temporary file, then a rename)."""
     write_text_atomic(path, json.dumps(results, indent=1, allow_nan=True))
+
+
+def check_jobs(jobs, quick) -> int:
+    """The number of worker processes: ``jobs`` (at least 1), or by default 1 with ``quick``
+    and otherwise 2 or the number of CPUs if fewer."""
+    if jobs is None:
+        return 1 if quick else min(2, os.cpu_count() or 1)
+    if jobs < 1:
+        raise ValueError(f"--jobs must be at least 1 (1: run in this process), got {jobs}")
+    return int(jobs)
 
 
 def _init_worker(dataset):

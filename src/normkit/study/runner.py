@@ -21,6 +21,7 @@ numbers whatever the number of worker processes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -28,7 +29,7 @@ from normkit.study import data as data_module
 from normkit.study import experiments
 from normkit.study import model as model_module
 from normkit.study.analysis import reference_batch
-from normkit.study.pool import DATA, execute, one_thread, save_json
+from normkit.study.pool import DATA, check_jobs, execute, one_thread, save_json
 from normkit.study.train import TrainConfig, run_steps, train_one
 
 __all__ = ["DEFAULTS", "QUICK", "SWEPT", "SHIFT_METHODS", "plan", "run_study", "load_results",
@@ -126,15 +127,21 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
         raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(data_module.DATASETS)}")
     base = (QUICK if quick else DEFAULTS)[dataset]
     available = model_module.available_methods()
-    methods = tuple(methods) if methods else available
+    methods = tuple(available if methods is None else methods)
     unknown = [m for m in methods if m not in model_module.METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(available)}")
-    batch_sizes = tuple(sorted(set(int(b) for b in (batch_sizes or base["batch_sizes"]))))
-    seeds = tuple(int(s) for s in (seeds if seeds is not None else base["seeds"]))
-    epochs = int(epochs or base["epochs"])
+    batch_sizes = tuple(sorted(set(int(b) for b in (base["batch_sizes"] if batch_sizes is None
+                                                    else batch_sizes))))
+    seeds = tuple(int(s) for s in (base["seeds"] if seeds is None else seeds))
+    for name, given in (("--methods", methods), ("--batch-sizes", batch_sizes), ("--seeds", seeds)):
+        if not given:
+            raise ValueError(f"{name} is empty; name at least one, or leave the option out for "
+                             f"its default")
+    epochs = int(base["epochs"] if epochs is None else epochs)
     min_steps = int(base["min_steps"] if min_steps is None else min_steps)
+    base_lr = float(base["base_lr"] if base_lr is None else base_lr)
     if min(batch_sizes) < 2:
         raise ValueError(f"batch sizes must be at least 2 (BatchNorm cannot normalize one image "
                          f"with a single value per channel); got {batch_sizes}")
@@ -142,15 +149,16 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
         raise ValueError(f"--epochs must be at least 1, got {epochs}")
     if min_steps < 0:
         raise ValueError(f"--min-steps must be 0 or more, got {min_steps}")
-    if jobs is None:
-        jobs = 1 if quick else min(2, os.cpu_count() or 1)
+    if not 0 < base_lr < math.inf:
+        raise ValueError(f"--lr must be a positive number, got {base_lr}")
+    jobs = check_jobs(jobs, quick)
 
     data = data_module.load(dataset, base["n_train"], base["n_test"])
     protocol = {
         "dataset": dataset,
         "n_train": base["n_train"], "n_test": base["n_test"],
         "train_images": int(len(data.y_train)), "test_images": int(len(data.y_test)),
-        "train": dict(TrainConfig(epochs=epochs, base_lr=float(base_lr or base["base_lr"]),
+        "train": dict(TrainConfig(epochs=epochs, base_lr=base_lr,
                                   min_steps=min_steps)),
         "layer_source": model_module.layer_source(),
         "model": MODELS[dataset] + "; BatchRenorm warm-up 1/8, ramps 1/4 of the steps",
