@@ -44,6 +44,20 @@ def test_bench_quick_json(capsys):
     assert "layer_norm" in text and "targets" in text
 
 
+@pytest.mark.parametrize("args, said", [
+    (["--threads", "0"], "--threads must be at least 1, got 0"),  # a child's traceback
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),  # read as the default
+    (["--models", "mlp-bn1d", "--repeats", "-1"], "--repeats must be at least 1"),
+    (["--control"], "add --models"),  # ignored
+])
+def test_arguments_it_cannot_measure_are_refused(capsys, args, said):
+    from normkit.cli import main
+
+    assert main(["bench", "--quick", "--no-progress", *args]) == 2
+    captured = capsys.readouterr()
+    assert said in captured.err and not captured.out
+
+
 # --- bytes saved for backward (normkit bench --models) ------------------------------------
 
 def _saved_bytes(model, x):

@@ -52,7 +52,22 @@ def register(subparsers):
     p.set_defaults(func=_main)
 
 
+def _refusal(args):
+    """Why these arguments cannot be measured, or None."""
+    if args.threads < 1:
+        return f"--threads must be at least 1, got {args.threads}"
+    if args.repeats is not None and args.repeats < 1:
+        return f"--repeats must be at least 1, got {args.repeats}"
+    if args.control and args.models is None:
+        return "--control times a control copy of each model: add --models"
+    return None
+
+
 def _main(args) -> int:
+    refusal = _refusal(args)
+    if refusal:
+        print(f"normkit bench: {refusal}", file=sys.stderr)
+        return 2
     if args.models is not None:
         return _models(args)
     if getattr(args, "device", "cpu") == "cuda":
@@ -61,7 +76,7 @@ def _main(args) -> int:
     from normkit.bench import ops as bench
 
     case_list = bench.cases(args.ops, args.dtypes, args.modes, quick=args.quick)
-    repeats = args.repeats or (3 if args.quick else 7)
+    repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
     report = bench.run(case_list, repeats=repeats, allocators=args.allocators,
                        threads=args.threads, progress=not args.no_progress)
     if args.json:
@@ -89,7 +104,7 @@ def _models(args) -> int:
               "run it on a GPU machine or drop --device cuda", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    repeats = args.repeats or (2 if args.quick else 5)
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
 
     def show(row):
         if not args.json and not args.no_progress:
