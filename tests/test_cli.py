@@ -37,3 +37,17 @@ def test_commands_start_with_docstrings_stripped():
         res = subprocess.run([sys.executable, "-OO", "-m", *command], capture_output=True,
                              text=True, timeout=300)
         assert res.returncode == 0 and "usage:" in res.stdout, (command, res.stderr[-2000:])
+
+
+@pytest.mark.parametrize("command", [["explain", "layer"], ["study", "--quick", "--no-progress"]])
+@pytest.mark.parametrize("below, said", [("", "is a file, not a folder"),
+                                         ("/pictures", "cannot be made a folder")])
+def test_an_out_that_cannot_be_a_folder_is_refused_before_any_work(tmp_path, capsys, command, below,
+                                                                  said):
+    # it was os.makedirs's traceback, after the text (explain) or the data's loading (study)
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    assert main([*command, "--out", f"{taken}{below}"]) == 2
+    captured = capsys.readouterr()
+    assert said in captured.err and not captured.out
+    assert taken.read_text() == "a file"

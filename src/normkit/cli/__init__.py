@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # one line per subcommand module, in the order shown by --help
@@ -34,6 +35,21 @@ def build_parser() -> argparse.ArgumentParser:
     for name in SUBCOMMANDS:
         importlib.import_module(f"normkit.cli.{name}").register(sub)
     return parser
+
+
+def out_folder_refusal(command: str, path: str):
+    """None if ``path`` (``--out``) is a folder the command can write into, or can be made
+    one; otherwise the message that says why not. Checked before any work, creating nothing."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"normkit {command}: --out {path} is a file, not a folder; choose another --out"
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"normkit {command}: --out {path} cannot be made a folder ({parent} is a file)"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"normkit {command}: --out {path}: {parent} is not writable here; choose another --out"
+    return None
 
 
 def main(argv=None) -> int:

@@ -64,6 +64,12 @@ def run(args) -> int:
         print(f"normkit study needs the 'study' and 'torch' extras ({e}); "
               f"install them with: pip install 'normkit[torch,study]'", file=sys.stderr)
         return 2
+    from normkit.cli import out_folder_refusal
+
+    refusal = out_folder_refusal("study", args.out)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.model == "vit":
         return _run_vit(args, methods, write_report)

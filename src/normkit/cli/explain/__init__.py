@@ -21,12 +21,17 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from normkit.cli import out_folder_refusal
     from normkit.cli.explain import drawing as ex
 
     try:
         keys = [ex.resolve(args.method)] if args.method else list(ex.METHODS)
     except ValueError as e:
         print(f"normkit explain: {e}", file=sys.stderr)
+        return 2
+    refusal = args.out and out_folder_refusal("explain", args.out)
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 2
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     for key in keys:
