@@ -19,10 +19,11 @@ DTYPES = ("float32", "bfloat16", "float64", "float16")
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m normkit.backends.cpu",
-                                     description=(__doc__ or "").split("\n\n")[0])
+                                     description=(__doc__ or "").replace("``", ""))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=(*DTYPES, "all"), help="input dtypes to compile for")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="processes that compile (default: one per core)")
     opts = parser.parse_args(argv)
     dtypes = DTYPES if "all" in opts.dtypes else tuple(dict.fromkeys(opts.dtypes))
 
