@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pickle
 import tracemalloc
 import warnings
 from fractions import Fraction
@@ -584,3 +586,39 @@ def test_float16_is_preserved_and_rounded_once(make, backend):
     np.testing.assert_array_equal(Z, exact.astype(np.float16))
     back = ours.inverse_transform(Z)
     assert back.dtype == np.float16
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX's")
+def test_a_forked_child_scales_after_the_parent_ran_numba_threads():
+    # A DataLoader worker (forked) transforming with a scaler its parent fitted: numba's
+    # OpenMP layer ended such a child at its first parallel kernel ("fork() called from a
+    # process already using GNU OpenMP"), at any size. The child takes the NumPy path: the
+    # same transform bits, the same fit to rounding.
+    pytest.importorskip("numba")
+    X = make_data((40_000, 9), np.float64, seed=3)
+    fitted = [StandardScaler().fit(X), MinMaxScaler().fit(X)]
+    want = [s.transform(X[:5]) for s in fitted]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                   # the child: report, then leave at once
+        try:
+            got = [s.transform(X[:5]) for s in fitted]
+            refit = StandardScaler().fit(X)
+            payload = pickle.dumps((got, refit.mean_, refit.var_))
+        except BaseException as error:             # noqa: BLE001 -- reported to the parent
+            payload = pickle.dumps(repr(error))
+        with os.fdopen(write, "wb") as out:
+            out.write(payload)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as source:
+        payload = source.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child was ended"
+    result = pickle.loads(payload)
+    assert not isinstance(result, str), result
+    got, mean, var = result
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_allclose(mean, fitted[0].mean_, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(var, fitted[0].var_, rtol=1e-12)
