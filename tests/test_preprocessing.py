@@ -11,6 +11,8 @@ import json
 import math
 import os
 import pickle
+import subprocess
+import sys
 import tracemalloc
 import warnings
 from fractions import Fraction
@@ -588,12 +590,28 @@ def test_float16_is_preserved_and_rounded_once(make, backend):
     assert back.dtype == np.float16
 
 
+_FORK_AFTER_TORCH = """
+import os, sys, numpy as np, torch
+from normkit.preprocessing import StandardScaler
+scaler = StandardScaler.load(sys.argv[1])   # fitted elsewhere: no numba thread ran here
+torch.randn(2048, 2048).sum(0)              # but torch's threads did
+X = np.random.default_rng(0).normal(size=(40_000, 9))
+pid = os.fork()
+if pid == 0:
+    scaler.transform(X)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX's")
-def test_a_forked_child_scales_after_the_parent_ran_numba_threads():
-    # A DataLoader worker (forked) transforming with a scaler its parent fitted: numba's
-    # OpenMP layer ended such a child at its first parallel kernel ("fork() called from a
-    # process already using GNU OpenMP"), at any size. The child takes the NumPy path: the
-    # same transform bits, the same fit to rounding.
+def test_a_forked_child_scales(tmp_path):
+    # A DataLoader worker (forked) transforming with a scaler. GNU OpenMP is not fork-safe:
+    # numba's OpenMP layer ended such a child at its first parallel kernel, at any size,
+    # where the parent had run numba's threads ("fork() called from a process already using
+    # GNU OpenMP"); it hung there where the parent had run torch's (a fresh process below).
+    # A forked child takes the NumPy path: the same transform bits, the same fit to rounding.
     pytest.importorskip("numba")
     X = make_data((40_000, 9), np.float64, seed=3)
     fitted = [StandardScaler().fit(X), MinMaxScaler().fit(X)]
@@ -622,3 +640,10 @@ def test_a_forked_child_scales_after_the_parent_ran_numba_threads():
         np.testing.assert_array_equal(g, w)
     np.testing.assert_allclose(mean, fitted[0].mean_, rtol=1e-13, atol=1e-15)
     np.testing.assert_allclose(var, fitted[0].var_, rtol=1e-12)
+
+    pytest.importorskip("torch")
+    path = tmp_path / "scaler.json"
+    fitted[0].save(path)
+    run = subprocess.run([sys.executable, "-c", _FORK_AFTER_TORCH, str(path)], timeout=60,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -31,16 +31,16 @@ it needs one float64 temporary of a block, never of all of ``X``.
 
 ``USE_NUMBA`` is the module-level switch between the two (tests flip it to check both).
 numba has no float16 on the CPU: float16 input takes the NumPy path (``_jitted``). So does
-every call in a process forked from one that had started numba's threads (a DataLoader
-worker, say): numba's OpenMP layer ends such a child at its first parallel kernel ("fork()
-called from a process already using GNU OpenMP"). The transforms give the same bits on
-both paths.
+every call in a forked child process (a DataLoader worker, say): GNU OpenMP, which runs
+numba's threads and torch's, is not fork-safe. Such a child hung at its first parallel
+kernel where the parent had run torch's threads, and numba ended it ("fork() called from a
+process already using GNU OpenMP") where the parent had run numba's. The transforms give
+the same bits on both paths.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import contextmanager
 
 import numpy as np
@@ -81,17 +81,13 @@ NUMPY_BLOCK_ROWS = 8192
 PARALLEL_MIN_ELEMENTS = 1 << 18
 
 
-#: whether this process has run a parallel kernel (started numba's threading layer) ...
-_STARTED_THREADS = False
-#: ... and whether it is a child forked from a process that had (see the module's text)
-_FORKED_FROM_THREADS = False
+#: whether this process is a forked child (see the module's text)
+_FORKED_CHILD = False
 
 
 def _forked_child():
-    global _FORKED_FROM_THREADS
-    layer = sys.modules.get("numba.np.ufunc.parallel")   # started by other numba code too
-    _FORKED_FROM_THREADS = (_FORKED_FROM_THREADS or _STARTED_THREADS
-                            or bool(getattr(layer, "_is_initialized", False)))
+    global _FORKED_CHILD
+    _FORKED_CHILD = True
 
 
 if hasattr(os, "register_at_fork"):          # (POSIX; Windows does not fork)
@@ -102,8 +98,6 @@ if hasattr(os, "register_at_fork"):          # (POSIX; Windows does not fork)
 def _threads_for(X):
     """Run the enclosed numba call on as many threads as there are chunks to share (one for
     small inputs), then restore the caller's setting."""
-    global _STARTED_THREADS
-    _STARTED_THREADS = True               # (a parallel kernel starts the layer, at 1 thread too)
     n_chunks = -(-X.shape[0] // CHUNK_ROWS)
     before = numba.get_num_threads()
     want = 1 if X.size < PARALLEL_MIN_ELEMENTS else max(1, min(before, n_chunks))
@@ -120,7 +114,7 @@ def _threads_for(X):
 def _jitted(a) -> bool:
     """Whether the numba kernels take the array ``a`` (float32/float64 and int indices; no
     float16, which numba cannot compile on the CPU), in a process where they can run."""
-    return USE_NUMBA and a.dtype != np.float16 and not _FORKED_FROM_THREADS
+    return USE_NUMBA and a.dtype != np.float16 and not _FORKED_CHILD
 
 
 def _block_rows(n_features: int, itemsize: int) -> int:
