@@ -463,3 +463,32 @@ def test_a_file_separated_by_another_character_is_named_as_such(tmp_path, capsys
     sep = "tabs" if "\t" in text else "semicolons"
     assert (f"its header has no comma but {sep}: normkit scale reads comma-separated files, so "
             "convert it first.") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, said", [
+    (["fit", "--chunk-mb", "0"], "--chunk-mb must be a positive number of MiB, got 0.0"),
+    (["fit", "--chunk-mb", "-1"], "--chunk-mb must be a positive number"),
+    (["transform", "--chunk-mb", "0"], "--chunk-mb must be a positive number"),
+    (["fit", "--clip"], "--clip is for --method minmax"),                    # ignored
+    (["fit", "--feature-range", "0", "2"], "--feature-range is for --method minmax"),
+    (["fit", "--method", "minmax", "--no-center"], "--no-center is for --method standard"),
+])
+def test_options_that_would_do_nothing_are_refused(tmp_path, capsys, args, said):
+    # each was taken silently: a chunk size of 0 or less, an option of the other method
+    pcsv.write_csv(pa.table({"x": [1.0, 2.0, 4.0]}), tmp_path / "x.csv")
+    normkit("scale", "fit", tmp_path / "x.csv", "-o", tmp_path / "s.json", "--no-progress")
+    action, *rest = args
+    where = ["-o", tmp_path / "out.json"] if action == "fit" else [
+        "--scaler", tmp_path / "s.json", "-o", tmp_path / "out.csv"]
+    assert normkit("scale", action, tmp_path / "x.csv", *where, "--no-progress", *rest) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists() and not (tmp_path / "out.csv").exists()
+
+
+@pytest.mark.parametrize("bounds, said", [((1, 1), "give two different bounds"),
+                                          ((2, 1), "swap the bounds")])
+def test_a_feature_range_of_equal_bounds_is_not_told_to_swap_them(bounds, said):
+    from normkit.preprocessing import MinMaxScaler
+
+    with pytest.raises(ValueError, match=said):
+        MinMaxScaler(feature_range=bounds).fit(np.ones((3, 1)))

@@ -402,7 +402,7 @@ class MinMaxScaler(_ScalerBase):
         if not lo < hi:
             raise ValueError(
                 f"Minimum of desired feature range must be smaller than maximum. Got {fr!r}; "
-                "swap the bounds."
+                + ("swap the bounds." if lo > hi else "give two different bounds, e.g. (0, 1).")
             )
         return lo, hi
 

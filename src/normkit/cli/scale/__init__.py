@@ -39,7 +39,7 @@ def register(subparsers):
     f.add_argument("-o", "--output", required=True, help="scaler file to write (JSON)")
     f.add_argument("--columns", help='comma-separated columns to scale (default: all numeric); '
                    'a name with a comma in double quotes: \'a,"b, c"\'')
-    f.add_argument("--feature-range", nargs=2, type=float, default=(0.0, 1.0), metavar=("LO", "HI"),
+    f.add_argument("--feature-range", nargs=2, type=float, metavar=("LO", "HI"),
                    help="target range for --method minmax (default 0 1)")
     f.add_argument("--clip", action="store_true", help="minmax: clip transformed values to the range")
     f.add_argument("--no-center", action="store_true", help="standard: do not subtract the mean")
@@ -167,7 +167,7 @@ def _fit(args):
     if args.method == "standard":
         scaler = StandardScaler(with_mean=not args.no_center)
     else:
-        scaler = MinMaxScaler(feature_range=tuple(args.feature_range), clip=args.clip)
+        scaler = MinMaxScaler(feature_range=tuple(args.feature_range or (0.0, 1.0)), clip=args.clip)
     chunk = int(args.chunk_mb * (1 << 20))
     for path in args.data:
         with _progress(path, args.no_progress) as bar:
@@ -237,7 +237,27 @@ def _apply(args, inverse):
     return 0
 
 
+#: options of one --method only, with that method
+_METHOD_ONLY = {"clip": "minmax", "feature_range": "minmax", "no_center": "standard"}
+
+
+def _refusal(args):
+    """Why these arguments would not do what they say, or None."""
+    if not 0 < args.chunk_mb < float("inf"):
+        return f"--chunk-mb must be a positive number of MiB, got {args.chunk_mb}"
+    for name, method in _METHOD_ONLY.items():
+        given = getattr(args, name, None)
+        if given not in (None, False) and args.method != method:
+            return (f"--{name.replace('_', '-')} is for --method {method} (this is --method "
+                    f"{args.method}); add --method {method} or leave it out")
+    return None
+
+
 def _run(args):
+    refusal = _refusal(args)
+    if refusal:
+        print(f"normkit scale: error: {refusal}", file=sys.stderr)
+        return 2
     try:
         if args.scale_command == "fit":
             return _fit(args)
