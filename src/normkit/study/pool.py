@@ -1,5 +1,6 @@
 """Where the study's runs execute: worker processes (or this process), each computing with
-one thread and holding the data it was handed once, at start; and the atomic JSON save.
+one thread and holding the data it was handed once, at start; the atomic JSON save; and
+the checks of the options both take (``--jobs``, the lists).
 
 Shared by the grid (:mod:`normkit.study.runner`, with the experiments' parts) and the
 transformer runs (:mod:`normkit.study.vit`).
@@ -12,7 +13,7 @@ import os
 
 from normkit._atomic import write_text_atomic
 
-__all__ = ["DATA", "check_jobs", "execute", "one_thread", "save_json"]
+__all__ = ["DATA", "check_jobs", "check_listed", "execute", "one_thread", "save_json"]
 
 # the data, loaded once in the main process and handed to each worker when it starts
 DATA = {}
@@ -31,6 +32,15 @@ def check_jobs(jobs, quick) -> int:
     if jobs < 1:
         raise ValueError(f"--jobs must be at least 1 (1: run in this process), got {jobs}")
     return int(jobs)
+
+
+def check_listed(option, values) -> tuple:
+    """``values`` as a tuple, refused where empty (an empty ``--seeds`` is not "the default")."""
+    values = tuple(values)
+    if not values:
+        raise ValueError(f"{option} is empty; name at least one, or leave the option out for its "
+                         "default")
+    return values
 
 
 def _init_worker(dataset):

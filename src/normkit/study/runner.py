@@ -29,7 +29,7 @@ from normkit.study import data as data_module
 from normkit.study import experiments
 from normkit.study import model as model_module
 from normkit.study.analysis import reference_batch
-from normkit.study.pool import DATA, check_jobs, execute, one_thread, save_json
+from normkit.study.pool import DATA, check_jobs, check_listed, execute, one_thread, save_json
 from normkit.study.train import TrainConfig, run_steps, train_one
 
 __all__ = ["DEFAULTS", "QUICK", "SWEPT", "SHIFT_METHODS", "plan", "run_study", "load_results",
@@ -127,18 +127,14 @@ def run_study(out_dir, methods=None, batch_sizes=None, seeds=None, epochs=None, 
         raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(data_module.DATASETS)}")
     base = (QUICK if quick else DEFAULTS)[dataset]
     available = model_module.available_methods()
-    methods = tuple(available if methods is None else methods)
+    methods = check_listed("--methods", available if methods is None else methods)
     unknown = [m for m in methods if m not in model_module.METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(available)}")
-    batch_sizes = tuple(sorted(set(int(b) for b in (base["batch_sizes"] if batch_sizes is None
-                                                    else batch_sizes))))
-    seeds = tuple(int(s) for s in (base["seeds"] if seeds is None else seeds))
-    for name, given in (("--methods", methods), ("--batch-sizes", batch_sizes), ("--seeds", seeds)):
-        if not given:
-            raise ValueError(f"{name} is empty; name at least one, or leave the option out for "
-                             f"its default")
+    batch_sizes = check_listed("--batch-sizes", sorted(set(int(b) for b in (
+        base["batch_sizes"] if batch_sizes is None else batch_sizes))))
+    seeds = check_listed("--seeds", (int(s) for s in (base["seeds"] if seeds is None else seeds)))
     epochs = int(base["epochs"] if epochs is None else epochs)
     min_steps = int(base["min_steps"] if min_steps is None else min_steps)
     base_lr = float(base["base_lr"] if base_lr is None else base_lr)

@@ -35,7 +35,7 @@ from torch import nn
 
 import normkit.nn as nk
 from normkit.study import data as data_module
-from normkit.study.pool import DATA, check_jobs, execute, one_thread, save_json
+from normkit.study.pool import DATA, check_jobs, check_listed, execute, one_thread, save_json
 from normkit.study.train import evaluate, fit
 
 __all__ = ["NORMS", "TARGET_LOSS", "VIT_DEFAULTS", "VIT_QUICK", "VIT_FILE", "TinyViT", "make_token_norm",
@@ -156,9 +156,7 @@ def run_vit(out_dir, quick=False, jobs=None, methods=None) -> dict:
     """Train every norm at every learning rate (``VIT_QUICK`` with ``quick``) and write
     ``out_dir/vit-results.json``; return its contents. Not resumable: a few minutes at most."""
     cfg = dict(VIT_QUICK if quick else VIT_DEFAULTS)
-    methods = tuple(NORMS if methods is None else methods)
-    if not methods:
-        raise ValueError("--methods is empty; name at least one, or leave the option out for its default")
+    methods = check_listed("--methods", NORMS if methods is None else methods)
     unknown = [m for m in methods if m not in NORMS]
     if unknown:
         raise ValueError(f"unknown transformer norm(s) {', '.join(unknown)} for --model vit; choose from "
