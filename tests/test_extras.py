@@ -56,9 +56,12 @@ def test_scalers_need_scikit_learn_not_torch():
     assert "std [1. 1.]" in _run("torch", "scalers")
 
 
-def test_a_command_says_which_extra_and_exits_2():
-    out = _run("torch", "cli demo")
-    assert "normkit demo needs torch" in out and "normkit[torch]" in out and "exit 2" in out
+@pytest.mark.parametrize("command", ["demo", "bench --quick"])
+def test_a_command_says_which_extra_and_exits_2(command):
+    # bench times in child processes: without torch it gave their traceback
+    out = _run("torch", f"cli {command}")
+    name = command.split()[0]
+    assert f"normkit {name} needs torch" in out and "normkit[torch]" in out and "exit 2" in out
 
 
 @pytest.mark.parametrize("blocked", ["pyarrow", "sklearn"])

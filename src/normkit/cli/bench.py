@@ -68,6 +68,8 @@ def _main(args) -> int:
     if refusal:
         print(f"normkit bench: {refusal}", file=sys.stderr)
         return 2
+    import torch  # noqa: F401  (the timing runs in child processes: a missing torch is named here)
+
     if args.models is not None:
         return _models(args)
     if getattr(args, "device", "cpu") == "cuda":
