@@ -2,7 +2,7 @@
 ``normkit.backends.cpu.entries`` for one input dtype, one after another in one new process
 (the first also pays numba's start-up), a BatchNorm entry both without and with an
 activation (``args.callback``'s ``fused``). docs/performance-history.md ("Compiling
-BatchNorm without its activation") quotes it.
+BatchNorm without its activation", "First call again") quotes it.
 
     PYTHONPATH=src python benchmarks/bench_compile_entries.py [--dtype float32]
 """

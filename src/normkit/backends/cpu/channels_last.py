@@ -33,6 +33,7 @@ import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
+from normkit.backends.cpu.half import copy
 from normkit.backends.cpu.moments import (cl_range_grad_sums, cl_range_moments, from_memory,
                                           grad_lanes, lane_scratch, merge_channels)
 from normkit.backends.cpu.rows import JIT
@@ -134,7 +135,7 @@ def nc_grad_sums(g, x, c_, parts, blocks, stats_nc, partials, lo, hi):
         sg[:] = 0.0
         sgx[:] = 0.0
         for r in range(run):
-            lanes[2][r * c_:(r + 1) * c_] = mu[n]
+            copy(lanes[2][r * c_:(r + 1) * c_], mu[n])
         cl_range_grad_sums(g[n], x[n], c_, s_begin, s_end, block, run, lanes, rs[n], sg, sgx,
                            fetch)
 

@@ -42,6 +42,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from normkit.backends.cpu.half import copy
 from normkit.backends.cpu.moments import (cl_range_grad_sums, cl_range_moments, from_memory,
                                           grad_lanes, lane_scratch)
 from normkit.backends.cpu.rows import JIT
@@ -145,7 +146,7 @@ def chunk_grad_sums(g, x, stats, chunk, sums, params, act, lo, hi):
     lanes = grad_lanes(c_, run, mean)
     fetch = from_memory(x)
     for r in range(run):
-        lanes[2][r * c_:(r + 1) * c_] = mean
+        copy(lanes[2][r * c_:(r + 1) * c_], mean)
     lane_act = _lane_act(act, rstd, params, run)
     for u in range(lo, hi):
         r0, r1 = _rows_of(u, rows, m)

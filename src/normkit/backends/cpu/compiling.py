@@ -1,7 +1,7 @@
 """A plan's kernel entries compiled side by side on a new machine.
 
 A plan needs two callbacks, its forward and its backward entry (``args.callback``), and
-on an empty numba cache each takes 4-10 s to compile, on one thread. ``callbacks``
+on an empty numba cache each takes 2-10 s to compile, on one thread. ``callbacks``
 compiles the first in this process and hands the others to a helper process, which
 compiles them into numba's cache at the same time; this process then loads them from
 there, in milliseconds. So the first call of a plan waits for its slowest entry rather

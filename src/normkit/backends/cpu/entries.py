@@ -34,6 +34,7 @@ from normkit.backends.cpu import columns, planes, rows
 from normkit.backends.cpu.act_stores import act_params
 from normkit.backends.cpu.address import at as _at
 from normkit.backends.cpu.address import float_of_bits
+from normkit.backends.cpu.half import copy
 from normkit.backends.cpu.rows import JIT
 
 __all__ = ["rows_forward", "rows_backward", "channels_small", "channels_small_backward",
@@ -112,11 +113,12 @@ def rows_backward(g, x, dx, w, mean, rstd, dw, db, scratch, gh, m, k, center, ah
                            lo, hi, (gh != 0, _at(gh if gh else g, proto, (m, k))))
     else:
         dwa, dba = _at(dw, sproto, (k,)), _at(db, sproto, (k,))
-        dwa[:] = sums[0, 0]
-        dba[:] = sums[1, 0]
+        copy(dwa, sums[0, 0])           # (loops: see half.copy)
+        copy(dba, sums[1, 0])
         for t in range(1, chunks):
-            dwa += sums[0, t]
-            dba += sums[1, t]
+            for i in range(k):
+                dwa[i] += sums[0, t, i]
+                dba[i] += sums[1, t, i]
 
 
 # ---- planes: Batch/Instance/GroupNorm on NCHW (N, C, S) ----------------------------------

@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba.core import types as nbt
+from numba import njit
 from numba.extending import intrinsic, overload
 
-__all__ = ["accumulate", "is_half", "like", "load", "narrow", "store", "widen"]
+__all__ = ["accumulate", "copy", "is_half", "like", "load", "narrow", "store", "widen"]
 
 
 def _const(value, elem, v):
@@ -77,6 +78,14 @@ def _converter(dtype, to_float):
 
 _bf16_to_f32, _f32_to_bf16 = _converter(nbt.uint16, True), _converter(nbt.uint16, False)
 _f16_to_f32, _f32_to_f16 = _converter(nbt.int16, True), _converter(nbt.int16, False)
+
+
+@njit(inline="always")
+def copy(dst, src):
+    """``dst[i] = src[i]`` over dst, written as a loop: an array assignment (``dst[:] =
+    src``) compiles numba's shape-mismatch error with it, about 2 s on an empty cache."""
+    for i in range(dst.shape[0]):
+        dst[i] = src[i]
 
 
 #: the most elements a reduction adds in its dtype (float32 for float32 and half data):

@@ -19,11 +19,11 @@ A row of LayerNorm/RMSNorm is one block: its moments are ``two_pass``.
 from __future__ import annotations
 
 import numpy as np
-from numba import types
+from numba import njit, types
 from numba.extending import overload, register_jitable
 
 from normkit.backends.cpu.act_stores import ACT_SILU, clamp_grad, silu_grad
-from normkit.backends.cpu.half import SUM_RUN, accumulate, like, load
+from normkit.backends.cpu.half import SUM_RUN, accumulate, copy, like, load
 from normkit.backends.cpu.stores import prefetch_lines
 from normkit.backends.cpu.tuning import AHEAD_BYTES, AHEAD_FROM_BYTES
 from normkit.stats_numba import chan_merge
@@ -101,7 +101,7 @@ def _two_pass_runs(xs, inv_n, sdt, center, runs):
     return estimate, correction, q - sd * correction
 
 
-@register_jitable(inline="always")
+@njit(inline="always")
 def _deviation_sums(xs, k, sdt, runs):
     """(sum(d), sum(d^2)) of d = x - k over xs, in runs of ``runs`` elements added in
     float64, rounded to the dtype of the array sdt."""
@@ -119,7 +119,7 @@ def _deviation_sums(xs, k, sdt, runs):
     return like(sdt, s64), like(sdt, q64)
 
 
-@register_jitable(inline="always")
+@njit(inline="always")
 def split_mean(base, rest, sdt):
     """``(hi, lo)``: the mean ``base + rest`` (an estimate and its correction, or a shift
     and the mean relative to it) as hi, the mean rounded to the dtype of the array sdt
@@ -136,7 +136,7 @@ def split_mean(base, rest, sdt):
     return hi, like(sdt, (s - np.float64(hi)) + err)
 
 
-@register_jitable(inline="always")   # inlined: see cpu.rows.JIT
+@njit(inline="always")   # inlined: see cpu.rows.JIT
 def _plane_shifted(xb, x0, mean_x0, inv_s, sdt):
     """(mean - x0, M2) of the plane xb: (S,) in one pass of the sums of d = x - k and
     d*d, with the shift k = x0 + mean_x0 (the running mean of the planes before it)."""
@@ -146,7 +146,7 @@ def _plane_shifted(xb, x0, mean_x0, inv_s, sdt):
     return (np.float64(k) - x0) + block_mean, q - s * block_mean
 
 
-@register_jitable(inline="always")   # inlined: see cpu.rows.JIT
+@njit(inline="always")   # inlined: see cpu.rows.JIT
 def plane_merge(xb, x0, inv_s, sdt, count, mean_x0, m2):
     """(count, mean - x0, M2) merged with the plane xb: (S,) (float64): the first plane
     (count 0) by two-pass, the others in one pass shifted by the running mean."""
@@ -164,7 +164,7 @@ def plane_merge(xb, x0, inv_s, sdt, count, mean_x0, m2):
 @register_jitable
 def fold_lanes(lanes, out, c_, run):
     """out[c] = the sum over r < run of lanes[r*C + c] (lane j holds channel j % C)."""
-    out[:] = lanes[:c_]
+    copy(out, lanes[:c_])
     for r in range(1, run):
         lr = lanes[r * c_:(r + 1) * c_]
         for c in range(c_):
@@ -194,7 +194,7 @@ def from_memory(a):
     return a.size * a.itemsize >= AHEAD_FROM_BYTES
 
 
-@register_jitable(inline="always")
+@njit(inline="always")
 def _fetch_ahead(a, i0, count, fetch):
     """Where ``fetch``, prefetch ``count`` elements of a, ``AHEAD_BYTES`` past a[i0]: rows
     read once from memory keep a miss in flight past each 4 KiB page, where the hardware
@@ -273,7 +273,7 @@ def cl_range_moments(xn, c_, s_begin, s_end, block, run, mean, m2, scratch, fetc
             for c in range(c_):
                 csum[c] = mean[c]
         for r in range(run):                                       # the shift, per lane
-            shift[r * c_:(r + 1) * c_] = csum
+            copy(shift[r * c_:(r + 1) * c_], csum)
         sums[:] = 0.0
         squares[:] = 0.0
         _lane_shifted_sums(xn, c_, s0, s1, run, shift, sums, squares, fetch)

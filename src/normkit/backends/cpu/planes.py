@@ -39,7 +39,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload, register_jitable
 
-from normkit.backends.cpu.half import SUM_RUN, accumulate, like, load, store
+from normkit.backends.cpu.half import SUM_RUN, accumulate, copy, like, load, store
 from normkit.backends.cpu.moments import plane_merge, split_mean, two_pass
 from normkit.backends.cpu.rows import JIT
 from normkit.backends.cpu.act_stores import (ACT_SILU, clamp, clamp_grad, silu,
@@ -63,7 +63,7 @@ def _plane_ahead(a, n, c, ahead, first, last):
     return a[f // a.shape[1], f % a.shape[1]]
 
 
-@register_jitable(inline="always")   # inlined: see cpu.rows.JIT
+@njit(inline="always")   # inlined: see cpu.rows.JIT
 def _plane_sums(gb, xb, mu, rs, sdt):
     """(sum(g), sum(g * xhat)) over one plane, xhat = (x - mu) * rs."""
     zero = like(sdt, 0.0)
@@ -200,7 +200,7 @@ def _small_dx_act(dr, gr, xr, coefs, act):
             store(dr, i, (gi * wc - c_mean - xh * c_var) * rs)
 
 
-@register_jitable(inline="always")   # inlined: see cpu.rows.JIT
+@njit(inline="always")   # inlined: see cpu.rows.JIT
 def _unit_coefs(g, x, w, u, groups, stats, flags, sums):
     """The unit ``u`` of Instance/GroupNorm backward: ``(n, c0, cg, mu, rs, c_var,
     c_mean)`` for its planes (n, c0 .. c0 + cg) of g, x: (N, C, S), its per-plane sums
@@ -289,7 +289,7 @@ def channels_forward(x, y, w, b, eps, block, fixed, stats, stream, act, lo, hi):
     for c0 in range(lo, hi, block):
         c1 = min(hi, c0 + block)
         if fixed:
-            mh[:c1 - c0] = mean[c0:c1]
+            copy(mh[:c1 - c0], mean[c0:c1])
             ml[:] = 0.0
         else:
             mean64[:] = 0.0

@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 from numba import njit, types
-from numba.extending import overload, register_jitable
+from numba.extending import overload
 
 from normkit._numba_cache import can_cache
 from normkit.backends.cpu.half import SUM_RUN, accumulate, like, load
@@ -46,7 +46,10 @@ from normkit.backends.cpu.stores import (fence, store_add, store_affine_per_elem
 # one compilation. A function compiled on its own and also linked into a caller exists
 # twice, optimized in two contexts; with re-association the two round differently, and
 # which one runs depended on whether the process compiled the kernels or loaded them from
-# the cache (benchmarks/cache_rounding.py, docs/study.md).
+# the cache (benchmarks/cache_rounding.py, docs/study.md). The helpers are
+# ``njit(inline="always")``, inlined before typing: ``register_jitable(inline="always")``
+# inlines after typing, for which numba first compiles the helper whole on its own, and
+# nested helpers compiled an entry several times over (docs/performance.md, "First call").
 # cache: on disk where numba finds a writable folder (normkit._numba_cache)
 JIT = dict(cache=can_cache(__file__), nogil=True, inline="always")
 
@@ -71,7 +74,7 @@ def rows_forward(x, y, w, b, eps, center, stats, out, lo, hi, add):
         _rows_forward(x, y, w, b, eps, center, stats, out, lo, hi, add, None)
 
 
-@register_jitable(inline="always")
+@njit(inline="always")
 def _rows_forward(x, y, w, b, eps, center, stats, out, lo, hi, add, runs):
     mean, rstd, var = stats
     stream, ahead = out
@@ -112,7 +115,7 @@ def rows_backward(g, x, w, stats, center, dx, partials, out, lo, hi, plus):
         _rows_backward(g, x, w, stats, center, dx, partials, out, lo, hi, plus, None)
 
 
-@register_jitable(inline="always")
+@njit(inline="always")
 def _rows_backward(g, x, w, stats, center, dx, partials, out, lo, hi, plus, runs):
     dwp, dbp = partials
     m, k = x.shape
@@ -140,7 +143,7 @@ def _rows_backward(g, x, w, stats, center, dx, partials, out, lo, hi, plus, runs
         fence()
 
 
-@register_jitable(inline="always")
+@njit(inline="always")
 def _row_backward(g, x, w, stats, center, dx, partials, out, r, r_end, plus, inv_k, runs):
     """Row r of ``rows_backward``: dx, and g*xhat and g added to ``partials``."""
     mean, rstd = stats
@@ -176,7 +179,7 @@ def _grad_sums_impl(gr, xr, w, partials, mu, rs, sdt, runs):
     return _grad_runs
 
 
-@register_jitable(inline="always")
+@njit(inline="always")
 def _grad_run(gr, xr, w, partials, mu, rs, sdt):
     dw, db = partials
     sv, sm = like(sdt, 0.0), like(sdt, 0.0)
