@@ -44,13 +44,29 @@ def _compiled(entry, cache):
     return [tuple(f) for f in json.loads(r.stdout.splitlines()[-1])]
 
 
-def test_the_rows_backward_compiles_its_loops_once(tmp_path):
-    compiled = _compiled("rows_backward", tmp_path)
+#: the kernels' helpers with loops, inlined into the entries before typing
+_INLINED = {"normkit.backends.cpu.rows": ("_rows_forward", "_rows_backward", "_row_backward",
+                                          "_grad_run"),
+            "normkit.backends.cpu.planes": ("_plane_sums", "_unit_coefs"),
+            "normkit.backends.cpu.moments": ("_deviation_sums", "split_mean", "_plane_shifted",
+                                             "plane_merge", "_fetch_ahead")}
+
+
+@pytest.mark.parametrize("entry", ["rows_backward", "channels_forward", "planes_backward"])
+def test_an_entry_compiles_its_helpers_inlined(entry, tmp_path):
+    compiled = _compiled(entry, tmp_path)
     names = [name for _, name in compiled]
-    assert names.count("make.<locals>.rows_backward") == 1, names     # the entry itself
-    # the loops over rows and chunks, inlined before typing: never compiled on their own
-    alone = [f for f in compiled if f[0] == "normkit.backends.cpu.rows"
-             and f[1] in ("_rows_backward", "_row_backward", "_rows_forward")]
+    assert names.count(f"make.<locals>.{entry}") == 1, names           # the entry itself
+    alone = [f for f in compiled if f[1] in _INLINED.get(f[0], ())]
     assert not alone, alone
     # no array assignment: it brings numba's shape-mismatch error and its string formatting
     assert not [n for n in names if "raise_with_shape_context" in n], names
+
+
+def test_the_listed_helpers_are_inlined_before_typing():
+    import importlib
+
+    for module, names in _INLINED.items():
+        for name in names:
+            helper = getattr(importlib.import_module(module), name)
+            assert helper.targetoptions.get("inline") == "always", (module, name)
