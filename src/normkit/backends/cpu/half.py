@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba.core import types as nbt
 from numba import njit
+from numba.core import types as nbt
 from numba.extending import intrinsic, overload
 
 __all__ = ["accumulate", "copy", "is_half", "like", "load", "narrow", "store", "widen"]
