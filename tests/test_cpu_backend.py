@@ -248,6 +248,39 @@ def test_compiling_ahead_from_the_command_line(monkeypatch, capsys):
         ahead.main(["--dtypes", "float8"])
 
 
+def test_compiling_ahead_compiles_the_entries_while_the_executor_builds(monkeypatch, capsys,
+                                                                        tmp_path):
+    """The entries compile in the worker processes while the executor builds (the build
+    waits here until a worker has written an entry to numba's cache); where numba finds
+    no folder for its cache, the executor still builds and nothing compiles."""
+    import time
+
+    import normkit._numba_cache
+    from normkit.backends.cpu import __main__ as ahead
+    from normkit.backends.cpu import entries, native
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))      # (read by the workers)
+    monkeypatch.setattr(entries, "__all__", ["planes_small"])
+    seen = []
+
+    def build():
+        deadline = time.time() + 120
+        while not list(tmp_path.rglob("*planes_small*.nbc")) and time.time() < deadline:
+            time.sleep(0.2)
+        seen.append(bool(list(tmp_path.rglob("*planes_small*.nbc"))))
+        return "extension"
+
+    monkeypatch.setattr(native, "extension", build)
+    assert ahead.main(["--dtypes", "float64", "--jobs", "1"]) == 0
+    assert seen == [True]
+    assert "1 entries for float64" in capsys.readouterr().out
+    monkeypatch.setattr(normkit._numba_cache, "can_cache", lambda where: False)
+    monkeypatch.setattr(native, "extension", lambda: seen.append("built") or "extension")
+    assert ahead.main(["--dtypes", "float64", "--jobs", "1"]) == 1
+    out = capsys.readouterr().out
+    assert seen[-1] == "built" and "executor: ready" in out and "not compiled ahead" in out
+
+
 @contextlib.contextmanager
 def _torch_threads(n):
     """torch (and so the CPU executor) on ``n`` threads, restored after."""

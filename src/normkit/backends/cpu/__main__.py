@@ -2,8 +2,8 @@
 the CPU calls (``normkit.backends.cpu.native``) and compile every kernel entry for the
 given input dtypes (float32 and bfloat16 by default; ``all``: the four) now, rather than
 at the first calls (1-11 s per entry and dtype on an empty cache). ``make setup`` runs it.
-The entries compile in ``--jobs`` processes (default: one per core), each entry in one
-process for all its dtypes (they share numba's cache index), a BatchNorm entry both
+The entries compile in ``--jobs`` processes (default: one per core) while this process
+builds the executor, each entry in one process for all its dtypes (they share numba's cache index), a BatchNorm entry both
 without and with an activation. Without a compiler it says so (the composite torch path
 then runs every CPU call, and ``make test`` fails at once); where numba finds no writable
 folder for its cache (``normkit._numba_cache``), it says so and compiles nothing."""
@@ -30,21 +30,27 @@ def main(argv=None) -> int:
     from normkit._numba_cache import can_cache
     from normkit.backends.cpu import entries, native, plans
 
-    start = time.time()
-    ready = native.extension() is not None
-    print(f"normkit C++ executor: {'ready' if ready else 'unavailable'} "
-          f"({time.time() - start:.0f} s)", flush=True)
-    if not can_cache(entries.__file__):     # compiled now, they would be lost at exit
-        print("normkit CPU kernels: not compiled ahead: numba finds no writable folder to "
-              "cache them; set NUMBA_CACHE_DIR to one", flush=True)
-        return 1
-    start = time.time()
-    # (spawned, not forked: the parent has loaded torch and its OpenMP runtime)
-    with ProcessPoolExecutor(max(1, opts.jobs), mp_context=get_context("spawn")) as pool:
-        names = entries.__all__
-        done = list(pool.map(plans.compile_entry, names, [dtypes] * len(names)))
+    cacheable = can_cache(entries.__file__)  # compiled now, they would be lost at exit if not
+    if cacheable:   # the entries compile in the pool while this process builds the executor
+        # (spawned, not forked: the parent loads torch and its OpenMP runtime)
+        pool = ProcessPoolExecutor(max(1, opts.jobs), mp_context=get_context("spawn"))
+        names, begun = entries.__all__, time.time()
+        done = pool.map(plans.compile_entry, names, [dtypes] * len(names))
+    try:
+        start = time.time()
+        ready = native.extension() is not None
+        print(f"normkit C++ executor: {'ready' if ready else 'unavailable'} "
+              f"({time.time() - start:.0f} s)", flush=True)
+        if not cacheable:
+            print("normkit CPU kernels: not compiled ahead: numba finds no writable folder "
+                  "to cache them; set NUMBA_CACHE_DIR to one", flush=True)
+            return 1
+        done = list(done)
+    finally:
+        if cacheable:
+            pool.shutdown(cancel_futures=True)
     print(f"normkit CPU kernels: {len(done)} entries for {', '.join(dtypes)} "
-          f"({time.time() - start:.0f} s)", flush=True)
+          f"({time.time() - begun:.0f} s, beside the executor's build)", flush=True)
     return 0 if ready else 1
 
 
