@@ -3,10 +3,11 @@ the CPU calls (``normkit.backends.cpu.native``) and compile every kernel entry f
 given input dtypes (float32 and bfloat16 by default; ``all``: the four) now, rather than
 at the first calls (1-11 s per entry and dtype on an empty cache). ``make setup`` runs it.
 The entries compile in ``--jobs`` processes (default: one per core) while this process
-builds the executor, each entry in one process for all its dtypes (they share numba's cache index), a BatchNorm entry both
-without and with an activation. Without a compiler it says so (the composite torch path
-then runs every CPU call, and ``make test`` fails at once); where numba finds no writable
-folder for its cache (``normkit._numba_cache``), it says so and compiles nothing."""
+builds the executor, each entry in one process for all its dtypes (they share numba's cache
+index), a BatchNorm entry both without and with an activation. Without a compiler it says
+so (the composite torch path then runs every CPU call, and ``make test`` fails at once);
+where numba finds no writable folder for its cache (``normkit._numba_cache``), it says so
+and compiles nothing (the executor still builds)."""
 
 import argparse
 import os
@@ -30,13 +31,12 @@ def main(argv=None) -> int:
     from normkit._numba_cache import can_cache
     from normkit.backends.cpu import entries, native, plans
 
-    cacheable = can_cache(entries.__file__)  # compiled now, they would be lost at exit if not
-    if cacheable:   # the entries compile in the pool while this process builds the executor
-        # (spawned, not forked: the parent loads torch and its OpenMP runtime)
-        pool = ProcessPoolExecutor(max(1, opts.jobs), mp_context=get_context("spawn"))
+    cacheable = can_cache(entries.__file__)  # (else the entries compiled now are lost at exit)
+    # the entries compile in worker processes while this one builds the executor (spawned,
+    # not forked: this process loads torch and its OpenMP runtime)
+    with ProcessPoolExecutor(max(1, opts.jobs), mp_context=get_context("spawn")) as pool:
         names, begun = entries.__all__, time.time()
-        done = pool.map(plans.compile_entry, names, [dtypes] * len(names))
-    try:
+        done = pool.map(plans.compile_entry, names, [dtypes] * len(names)) if cacheable else ()
         start = time.time()
         ready = native.extension() is not None
         print(f"normkit C++ executor: {'ready' if ready else 'unavailable'} "
@@ -46,9 +46,6 @@ def main(argv=None) -> int:
                   "to cache them; set NUMBA_CACHE_DIR to one", flush=True)
             return 1
         done = list(done)
-    finally:
-        if cacheable:
-            pool.shutdown(cancel_futures=True)
     print(f"normkit CPU kernels: {len(done)} entries for {', '.join(dtypes)} "
           f"({time.time() - begun:.0f} s, beside the executor's build)", flush=True)
     return 0 if ready else 1
