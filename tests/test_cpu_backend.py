@@ -265,9 +265,9 @@ def test_compiling_ahead_compiles_the_entries_while_the_executor_builds(monkeypa
 
     def build():
         deadline = time.time() + 120
-        while not list(tmp_path.rglob("*planes_small*.nbc")) and time.time() < deadline:
+        while not (found := list(tmp_path.rglob("*planes_small*.nbc"))) and time.time() < deadline:
             time.sleep(0.2)
-        seen.append(bool(list(tmp_path.rglob("*planes_small*.nbc"))))
+        seen.append(bool(found))
         return "extension"
 
     monkeypatch.setattr(native, "extension", build)

@@ -35,9 +35,8 @@ def main(argv=None) -> int:
     # the entries compile in worker processes while this one builds the executor (spawned,
     # not forked: this process loads torch and its OpenMP runtime)
     with ProcessPoolExecutor(max(1, opts.jobs), mp_context=get_context("spawn")) as pool:
-        names, begun = entries.__all__, time.time()
+        names, start = entries.__all__, time.time()
         done = pool.map(plans.compile_entry, names, [dtypes] * len(names)) if cacheable else ()
-        start = time.time()
         ready = native.extension() is not None
         print(f"normkit C++ executor: {'ready' if ready else 'unavailable'} "
               f"({time.time() - start:.0f} s)", flush=True)
@@ -47,7 +46,7 @@ def main(argv=None) -> int:
             return 1
         done = list(done)
     print(f"normkit CPU kernels: {len(done)} entries for {', '.join(dtypes)} "
-          f"({time.time() - begun:.0f} s, beside the executor's build)", flush=True)
+          f"({time.time() - start:.0f} s, beside the executor's build)", flush=True)
     return 0 if ready else 1
 
 
