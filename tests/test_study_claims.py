@@ -135,16 +135,63 @@ def _grid(bn_gap, gn_gap):
     return {"protocol": {"seeds": [0, 1, 2], "batch_sizes": [32]}, "runs": runs}
 
 
+def test_grid_gap_rows():
+    assert ec.grid_gap_row(_grid(0.01, 0.03), 32)[-1] == "BatchNorm's gap smaller"
+    assert ec.grid_gap_row(_grid(0.03, 0.01), 32)[-1] == "BatchNorm's gap larger"
+    assert ec.grid_gap_row(_grid(0.02, 0.021), 32)[-1] == "no clear difference"
+    assert ec.grid_gap_row(_grid(0.01, 0.03), 8) is None  # no runs at that batch
+
+
+def _regularize(errors):
+    """The experiment with ``errors[method][n]`` the mean test error of three seeds
+    (+-0.001), every training set fitted."""
+    parts = {m: {"method": m, "runs": [{"n_train": n, "seed": s, "train_error": 0.0, "test_error": e + jitter}
+                                       for n, e in by_size.items()
+                                       for s, jitter in enumerate((-0.001, 0.0, 0.001))]}
+             for m, by_size in errors.items()}
+    return _exp(parts, sizes=[1000, 2000], steps=2000, batch_size=32, ghost=4, seeds=[0, 1, 2])
+
+
 def test_regularize_verdict():
-    assert ec.regularize_row(_grid(0.01, 0.03), 32)[-1] == "yes"
-    assert ec.regularize_row(_grid(0.03, 0.01), 32)[-1] == "no: BatchNorm's gap is larger"
-    assert ec.regularize_row(_grid(0.02, 0.021), 32)[-1] == "no clear difference"
-    assert ec.regularize_row(_grid(0.01, 0.03), 8) is None  # no runs at that batch
+    noise_helps = {"batch": {1000: 0.04, 2000: 0.03}, "ghost": {1000: 0.03, 2000: 0.02},
+                   "group": {1000: 0.05, 2000: 0.04}}
+    row = ec.regularize_row(_regularize(noise_helps))
+    assert row[-1] == "yes"
+    assert ("1000 signals: BatchNorm 4.00 %, in ghost batches of 4 signals 3.00 %, GroupNorm 5.00 % (thresholds: "
+            "against GroupNorm 0.20, ghost against BatchNorm 0.20 points; "
+            "training error 0.00 / 0.00 / 0.00 %)") in row[3]
+    only_small = {**noise_helps, "ghost": {1000: 0.03, 2000: 0.03}}
+    assert ec.regularize_row(_regularize(only_small))[-1] == (
+        "partly: BatchNorm's test error below GroupNorm's at 1000 and 2000 signals; more batch noise (ghost batches) "
+        "lowers it at 1000 signals")
+    not_noise = {**noise_helps, "ghost": {1000: 0.045, 2000: 0.03}}
+    assert ec.regularize_row(_regularize(not_noise))[-1] == (
+        "partly: BatchNorm's test error below GroupNorm's at 1000 and 2000 signals; more batch noise (ghost batches) "
+        "does not lower it")
+    worse = {"batch": {1000: 0.05, 2000: 0.04}, "ghost": {1000: 0.06, 2000: 0.04},
+             "group": {1000: 0.05, 2000: 0.03}}
+    assert ec.regularize_row(_regularize(worse))[-1] == "no"
+    assert ec.regularize_row(None) is None
+
+
+def test_ghost_batches_normalize_each_part_on_its_own():
+    from normkit.study import regularize
+    norm = regularize.GhostBatchNorm(model.make_norm("batch", 3, (5,)), 4)
+    x = torch.randn(8, 3, 5) * torch.arange(1.0, 9.0).view(8, 1, 1)
+    y = norm(x)
+    for part, out in zip(x.split(4), y.split(4)):
+        ref = torch.nn.functional.batch_norm(part, None, None, training=True)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    whole = torch.nn.functional.batch_norm(x, None, None, training=True)
+    assert (y - whole).abs().max() > 0.1       # not the statistics of the whole batch
+    norm.eval()
+    torch.testing.assert_close(norm(x), norm.norm(x))
 
 
 def test_claims_table_carries_the_experiments_and_disagreements():
+    worse = {"batch": {1000: 0.05, 2000: 0.04}, "ghost": {1000: 0.06, 2000: 0.04}, "group": {1000: 0.05, 2000: 0.03}}
     results = {"protocol": {"seeds": [0, 1, 2], "batch_sizes": [32], "methods": []}, "runs": _grid(0.03, 0.01)["runs"],
-               "experiments": {"robust": _robust(instance_style=(0.2, 0.5, 0.9))}}
+               "experiments": {"robust": _robust(instance_style=(0.2, 0.5, 0.9)), "regularize": _regularize(worse)}}
     rows = claims.claims(results, {}, None)
     names = [r[0] for r in rows]
     assert "InstanceNorm removes style (contrast, brightness)" in names

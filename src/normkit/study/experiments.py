@@ -9,20 +9,21 @@ depth       gradient norm per layer of a 20-layer plain network    :mod:`.depth`
 lr_range    final training loss over a sweep of learning rates     :mod:`.lr_range`
 robust      trained CNNs: per-signal style, drift, weight scale,    :mod:`.robust`,
             a batch of one                                         :mod:`.probes`
+regularize  the generalization gap on a small training set, with   :mod:`.regularize`
+            and without batch noise
 sequence    a recurrent network along MNIST-1D's time axis         :mod:`.sequence`
 vit         the small SigLIP-style transformer, short run           :mod:`.vit`
 ==========  ====================================================  ========================
 
 ``results["experiments"][name]`` holds ``{"config": ..., "parts": {method: result}}``; a
-part is rerun when its experiment's config changed. The regularization claim needs no
-experiment of its own: it reads the grid's training and test errors.
+part is rerun when its experiment's config changed.
 """
 
 from __future__ import annotations
 
 import time
 
-from normkit.study import depth, lr_range, robust, sequence, vit
+from normkit.study import depth, lr_range, regularize, robust, sequence, vit
 
 __all__ = ["EXPERIMENTS", "configs", "tasks", "run_part", "complete", "vit_results", "cost"]
 
@@ -43,6 +44,7 @@ EXPERIMENTS = {
     "depth": (depth.METHODS, depth.DEFAULT, depth.QUICK, depth.run),
     "lr_range": (lr_range.METHODS, lr_range.DEFAULT, lr_range.QUICK, lr_range.run),
     "robust": (robust.METHODS, {}, {}, robust.run),
+    "regularize": (regularize.METHODS, regularize.DEFAULT, regularize.QUICK, regularize.run),
     "sequence": (sequence.METHODS, sequence.DEFAULT, sequence.QUICK, sequence.run),
     "vit": (vit.NORMS, VIT_STUDY, VIT_STUDY_QUICK, _vit_part),
 }
@@ -56,11 +58,12 @@ def _plain(cfg):
 
 def configs(quick: bool, train: dict) -> dict:
     """``{name: config}``; ``train`` is the grid's training protocol, which the trained CNNs
-    of ``robust`` share (so they are the grid's seed-0 networks at batch 32)."""
+    of ``robust`` share (so they are the grid's seed-0 networks at batch 32), and those of
+    ``regularize`` (for their own number of steps)."""
     out = {}
     for name, (_, default, quick_cfg, _) in EXPERIMENTS.items():
         cfg = dict(quick_cfg if quick else default)
-        if name == "robust":
+        if name in ("robust", "regularize"):
             cfg["train"] = dict(train)
         out[name] = _plain(cfg)
     return out
@@ -91,6 +94,8 @@ def cost(name: str, cfg: dict, grid_steps_at_32: int) -> float:
         return grid_steps_at_32 + 200
     if name == "sequence":
         return 2.0 * cfg["steps"] * len(cfg["seeds"])
+    if name == "regularize":
+        return 1.3 * cfg["steps"] * len(cfg["sizes"]) * len(cfg["seeds"])
     return 2.5 * cfg["steps"] * len(cfg["lrs"]) * len(cfg["seeds"])
 
 
