@@ -43,8 +43,9 @@ def _how(results) -> dict:
                              f"only, {c['steps']} SGD steps at batch {c['batch_size']} (the grid's rate and "
                              f"schedule), seeds {', '.join(map(str, c['seeds']))}: BatchNorm; BatchNorm with the "
                              f"statistics of each {c['ghost']} consecutive signals of a batch (ghost batches: more "
-                             "batch noise at the same batch, rate and steps); GroupNorm (no batch noise). The gap: "
-                             "test error minus eval-mode error on those training signals.")
+                             "batch noise at the same batch, rate and steps); GroupNorm (no batch noise). Compared: "
+                             "the test error, with the training error on those signals beside it (about 0 once "
+                             "fitted).")
     c = cfg("sequence")
     if c:
         out["sequence"] = (f"A recurrent network, h(t) = tanh(norm(W_x x(t) + W_h h(t-1))) with {sequence.HIDDEN} "
