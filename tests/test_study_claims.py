@@ -152,6 +152,9 @@ def _regularize(errors):
     return _exp(parts, sizes=[1000, 2000], steps=2000, batch_size=32, ghost=4, seeds=[0, 1, 2])
 
 
+NO_EFFECT = {"batch": {1000: 0.05, 2000: 0.04}, "ghost": {1000: 0.06, 2000: 0.04}, "group": {1000: 0.05, 2000: 0.03}}
+
+
 def test_regularize_verdict():
     noise_helps = {"batch": {1000: 0.04, 2000: 0.03}, "ghost": {1000: 0.03, 2000: 0.02},
                    "group": {1000: 0.05, 2000: 0.04}}
@@ -168,9 +171,7 @@ def test_regularize_verdict():
     assert ec.regularize_row(_regularize(not_noise))[-1] == (
         "partly: BatchNorm's test error below GroupNorm's at 1000 and 2000 signals; more batch noise (ghost batches) "
         "does not lower it")
-    worse = {"batch": {1000: 0.05, 2000: 0.04}, "ghost": {1000: 0.06, 2000: 0.04},
-             "group": {1000: 0.05, 2000: 0.03}}
-    assert ec.regularize_row(_regularize(worse))[-1] == "no"
+    assert ec.regularize_row(_regularize(NO_EFFECT))[-1] == "no"
     assert ec.regularize_row(None) is None
 
 
@@ -189,9 +190,8 @@ def test_ghost_batches_normalize_each_part_on_its_own():
 
 
 def test_claims_table_carries_the_experiments_and_disagreements():
-    worse = {"batch": {1000: 0.05, 2000: 0.04}, "ghost": {1000: 0.06, 2000: 0.04}, "group": {1000: 0.05, 2000: 0.03}}
     results = {"protocol": {"seeds": [0, 1, 2], "batch_sizes": [32], "methods": []}, "runs": _grid(0.03, 0.01)["runs"],
-               "experiments": {"robust": _robust(instance_style=(0.2, 0.5, 0.9)), "regularize": _regularize(worse)}}
+               "experiments": {"robust": _robust(instance_style=(0.2, 0.5, 0.9)), "regularize": _regularize(NO_EFFECT)}}
     rows = claims.claims(results, {}, None)
     names = [r[0] for r in rows]
     assert "InstanceNorm removes style (contrast, brightness)" in names

@@ -9,8 +9,8 @@ depth       gradient norm per layer of a 20-layer plain network    :mod:`.depth`
 lr_range    final training loss over a sweep of learning rates     :mod:`.lr_range`
 robust      trained CNNs: per-signal style, drift, weight scale,    :mod:`.robust`,
             a batch of one                                         :mod:`.probes`
-regularize  the generalization gap on a small training set, with   :mod:`.regularize`
-            and without batch noise
+regularize  test error after fitting small training sets, with     :mod:`.regularize`
+            more, less and no batch noise
 sequence    a recurrent network along MNIST-1D's time axis         :mod:`.sequence`
 vit         the small SigLIP-style transformer, short run           :mod:`.vit`
 ==========  ====================================================  ========================
