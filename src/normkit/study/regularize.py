@@ -4,9 +4,10 @@ The second article says BatchNorm's batch noise regularizes mildly (the BatchNor
 dropout can be removed). The grid cannot show it: on 24,000 training signals for a few
 epochs the networks hardly overfit (gaps of about one point). Here the study's CNN trains
 on the first ``n`` training signals only (each size of ``sizes``) for ``steps`` SGD steps
-at batch ``batch_size`` -- the grid's protocol otherwise (``cfg["train"]``: rate, momentum,
-weight decay, schedule) -- long enough to fit them. Measured: the test error, and the eval-mode error on those ``n``
-training signals (about 0 once fitted). Three methods, same seeds:
+at batch ``batch_size`` -- the grid's protocol otherwise (``cfg["train"]``: rate,
+momentum, weight decay, schedule) -- long enough to fit them. Measured: the test error,
+and the eval-mode error on those ``n`` training signals (about 0 once fitted). Three
+methods, same seeds:
 
 ============  ================================================================
 method        the norm layers
