@@ -96,6 +96,11 @@ def scale_row(exp):
             here, "yes" if flat and divided and moves else "no"]
 
 
+def _spread(*samples):
+    """Twice the larger standard deviation over seeds of ``samples`` (0 with one seed)."""
+    return 2 * max(float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for v in samples)
+
+
 def regularize_gaps(results, method, batch):
     """Test minus training error of ``method`` at ``batch``, per seed of the grid."""
     return [r["test_error"] - r["train_error"] for r in results["runs"]
@@ -115,11 +120,6 @@ def grid_gap_row(results, batch):
     verdict = ("BatchNorm's gap smaller" if d < -thr else "BatchNorm's gap larger" if d > thr else
                "no clear difference")
     return [f"The grid at batch {batch}", A2, "", here, verdict]
-
-
-def _spread(*gaps):
-    """Twice the larger standard deviation over seeds of ``gaps`` (0 with one seed)."""
-    return 2 * max(float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for v in gaps)
 
 
 def regularize_row(exp):
@@ -195,8 +195,7 @@ def sequence_row(exp):
 
     bn, ln = errs("batch"), errs("layer")
     d = float(np.mean(bn) - np.mean(ln))
-    sd = max(float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for v in (bn, ln))
-    thr = max(0.01, 2 * sd)
+    thr = max(0.01, _spread(bn, ln))
     bn_train = errs("batch", "test_error_train_mode")
     p = exp["parts"]["batch"]
     here = (f"recurrent net, {p['steps']} steps at batch {p['batch_size']}, {len(bn)} seed(s): test error BatchNorm "

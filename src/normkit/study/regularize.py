@@ -85,11 +85,11 @@ def run(data, method: str, cfg: dict) -> dict:
                              f"{cfg['batch_size']}; the data have {len(data.y_train)}")
         subset = dataclasses.replace(data, x_train=data.x_train[:n], y_train=data.y_train[:n])
         net = _ghost_net(subset, cfg["ghost"]) if method == "ghost" else None
+        train = (torch.from_numpy(subset.x_train), torch.from_numpy(subset.y_train))
         for seed in cfg["seeds"]:
             model, info = train_model(subset, "batch" if method == "ghost" else method, cfg["batch_size"], seed,
                                       config, net=net, steps=cfg["steps"])
             model.eval()
-            train = (torch.from_numpy(subset.x_train), torch.from_numpy(subset.y_train))
             runs.append({"n_train": n, "seed": seed, "diverged": info["diverged"],
                          "test_error": _error(model, x_test, y_test, 1024),
                          "train_error": _error(model, *train, 1024)})
