@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 pytest.importorskip("mnist1d")
 
-from normkit.study import claims, depth, experiments, lr_range, model, probes, robust  # noqa: E402
+from normkit.study import claims, data, depth, experiments, lr_range, model, probes, robust  # noqa: E402
+from normkit.study import sequence  # noqa: E402
 from normkit.study import experiment_claims as ec  # noqa: E402
 from normkit.study.experiment_report import disagreements  # noqa: E402
 
@@ -114,16 +115,43 @@ def test_batch_of_one_verdict():
     assert ec.batch_one_row(_robust(gn_alone=0.3))[-1] == "no"
 
 
-def _seq(bn, ln):
-    part = lambda errs: {"steps": 10, "batch_size": 32,  # noqa: E731
-                         "runs": [{"test_error": e, "test_error_train_mode": e} for e in errs]}
-    return _exp({"none": part([0.5, 0.5]), "batch": part(bn), "layer": part(ln)})
+def _seq(bn, ln, at_recurrent=None):
+    """The sequence experiment with these test errors per seed, with the norm of the summed
+    input and, where given as ``(bn, ln)``, of the recurrent term."""
+    places = {"sum": {"batch": bn, "layer": ln, "none": [0.5, 0.5]}}
+    if at_recurrent:
+        places["recurrent"] = {"batch": at_recurrent[0], "layer": at_recurrent[1]}
+
+    def part(m):
+        return {"steps": 10, "batch_size": 32,
+                "runs": [{"place": place, "test_error": e, "test_error_train_mode": e}
+                         for place, errs in places.items() for e in errs.get(m, [])]}
+    return _exp({m: part(m) for m in ("none", "batch", "layer")}, places=list(places))
 
 
-def test_sequence_verdict():
+def test_sequence_verdict_at_one_place():
     assert ec.sequence_row(_seq([0.40, 0.42], [0.30, 0.31]))[-1] == "yes"
-    assert ec.sequence_row(_seq([0.30, 0.31], [0.40, 0.42]))[-1] == "no: BatchNorm is better"
+    assert ec.sequence_row(_seq([0.30, 0.31], [0.40, 0.42]))[-1] == "no: BatchNorm is better with the norm of the " \
+                                                                     "summed input"
     assert ec.sequence_row(_seq([0.30, 0.40], [0.35, 0.36]))[-1] == "no clear difference"  # within the seeds' spread
+
+
+def test_sequence_verdict_over_both_places():
+    ahead, level = ([0.40, 0.42], [0.30, 0.31]), ([0.30, 0.40], [0.35, 0.36])
+    assert ec.sequence_row(_seq(*ahead, at_recurrent=ahead))[-1] == "yes"
+    row = ec.sequence_row(_seq(*level, at_recurrent=ahead))
+    assert row[-1] == "partly: LayerNorm ahead with the norm of the recurrent term, not of the summed input"
+    assert "norm of the summed input: BatchNorm 35.00 %" in row[3] and "LayerNorm 30.50 %" in row[3]
+    assert ec.sequence_row(_seq(*level, at_recurrent=level))[-1] == "no clear difference"
+
+
+def test_sequence_runs_stored_without_a_place_count_as_the_summed_input():
+    exp = _seq([0.40, 0.42], [0.30, 0.31])
+    for part in exp["parts"].values():
+        for run in part["runs"]:
+            del run["place"]
+    del exp["config"]["places"]
+    assert ec.sequence_row(exp)[-1] == "yes"
 
 
 def _grid(bn_gap, gn_gap):
@@ -260,3 +288,27 @@ def test_deep_network_gradients_per_layer():
     assert all(torch.equal(a, b) for a, b in zip(before, net.buffers()))  # running averages put back
     plain = depth.layer_gradients(depth.DeepMLP("none"), x, y)["activation"]
     assert plain[0] < 1e-3 * plain[-1]  # PyTorch's default init: the gradient vanishes toward the input
+
+
+def test_the_recurrent_nets_norm_takes_its_place():
+    x = torch.randn(5, 1, 40)
+    nets = {}
+    for place in ("sum", "recurrent"):          # without a norm, the two places are one network
+        torch.manual_seed(0)
+        nets[place] = sequence.StepRNN("none", chunk=4, place=place)
+    torch.testing.assert_close(nets["sum"](x), nets["recurrent"](x), rtol=0, atol=0)
+
+    torch.manual_seed(0)
+    net = sequence.StepRNN("layer", chunk=4, place="recurrent")
+    with torch.no_grad():
+        xs = net.inp(x[:, 0].reshape(5, 10, 4))
+        h = torch.tanh(xs[:, 0])
+        for t in range(1, 10):
+            h = torch.tanh(xs[:, t] + torch.nn.functional.layer_norm(net.rec(h), (48,)))
+        torch.testing.assert_close(net(x), net.head(h))
+    with pytest.raises(ValueError, match="choose from sum, recurrent"):
+        sequence.StepRNN("layer", place="input")
+
+    signals = data.load("mnist1d", 40, 20)
+    assert [r["place"] for r in sequence.run(signals, "none", sequence.QUICK)["runs"]] == ["sum"]
+    assert [r["place"] for r in sequence.run(signals, "batch", sequence.QUICK)["runs"]] == ["sum", "recurrent"]
