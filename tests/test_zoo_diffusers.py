@@ -1,0 +1,146 @@
+"""convert/revert over diffusers' models built from small configs (nothing downloaded): the
+U-Nets and the VAE, whose GroupNorms are most of normkit's GroupNorm use, and the diffusion
+transformers (DiT, PixArt, SD3, Flux) with their LayerNorms and RMSNorms. Every norm module
+swapped or routed; outputs and gradients equal to the untouched model's in float64;
+revert restores the classes."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+from torch import nn  # noqa: E402
+
+import normkit  # noqa: E402
+
+NORM_BASES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+F64 = dict(dtype=torch.float64)
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), **F64)
+
+
+def _unet():
+    return diffusers.UNet2DModel(
+        sample_size=16, in_channels=3, out_channels=3, layers_per_block=1, norm_num_groups=8,
+        block_out_channels=(8, 16), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+
+
+def _sd_unet():
+    return diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, norm_num_groups=8,
+        block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=8,
+        attention_head_dim=4)
+
+
+def _vae():
+    return diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, block_out_channels=(8, 16), latent_channels=4,
+        norm_num_groups=8, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2)
+
+
+def _dit():
+    return diffusers.DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=2, sample_size=8,
+        patch_size=2, num_embeds_ada_norm=10)
+
+
+def _pixart():
+    return diffusers.PixArtTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
+        sample_size=8, patch_size=2, cross_attention_dim=16, caption_channels=16)
+
+
+def _sd3():
+    return diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+        pooled_projection_dim=8, out_channels=4, qk_norm="rms_norm")
+
+
+def _flux():
+    return diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+        axes_dims_rope=(4, 6, 6))
+
+
+def _steps():
+    return torch.tensor([1.0, 7.0], **F64)
+
+
+# name -> (builder, call(model) -> output)
+MODELS = {
+    "unet": (_unet, lambda m: m(_randn(2, 3, 16, 16, seed=1), _steps()).sample),
+    "sd_unet": (_sd_unet, lambda m: m(_randn(2, 4, 8, 8, seed=1), _steps(),
+                                      encoder_hidden_states=_randn(2, 5, 8, seed=2)).sample),
+    "vae": (_vae, lambda m: m(_randn(2, 3, 16, 16, seed=1)).sample),
+    "dit": (_dit, lambda m: m(_randn(2, 4, 8, 8, seed=1), timestep=torch.tensor([1, 7]),
+                              class_labels=torch.tensor([1, 3])).sample),
+    "pixart": (_pixart, lambda m: m(_randn(2, 4, 8, 8, seed=1), timestep=torch.tensor([1, 7]),
+                                    encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                                    added_cond_kwargs={"resolution": None,
+                                                       "aspect_ratio": None}).sample),
+    "sd3": (_sd3, lambda m: m(_randn(2, 4, 8, 8, seed=1), timestep=torch.tensor([1, 7]),
+                              encoder_hidden_states=_randn(2, 5, 16, seed=2),
+                              pooled_projections=_randn(2, 8, seed=3)).sample),
+    "flux": (_flux, lambda m: m(_randn(2, 16, 16, seed=1), timestep=_steps(),
+                                encoder_hidden_states=_randn(2, 5, 32, seed=2),
+                                pooled_projections=_randn(2, 16, seed=3),
+                                img_ids=torch.zeros(16, 3, **F64),
+                                txt_ids=torch.zeros(5, 3, **F64)).sample),
+}
+
+
+def _tolerance(model):
+    """Relative to the output's size: diffusers' own RMSNorm (SD3's attention q/k norms, and
+    Flux's before diffusers 0.33) takes a float64 input's mean square in float32, normkit in
+    float64, so there the two differ by float32's rounding (3e-9 of SD3's output)."""
+    own = any(type(m).__name__ == "RMSNorm" and type(m).__module__.startswith("diffusers.")
+              for m in model.modules())
+    return 1e-7 if own else 1e-9
+
+
+def _norms(model):
+    return {n for n, m in model.named_modules()
+            if isinstance(m, NORM_BASES) or type(m).__name__ == "RMSNorm"}
+
+
+def _close(got, want, what, tol, scale=None):
+    scale = max(float(want.detach().abs().max()), scale or 0.0, 1e-30)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, msg=what)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_diffusers_model_converts_completely_and_computes_the_same(name):
+    build, call = MODELS[name]
+    torch.manual_seed(0)
+    original = build().double()
+    torch.manual_seed(0)
+    converted = build().double()
+    norms, tol = _norms(original), _tolerance(original)
+    assert norms, f"{name}: no norm module to convert"
+    report = normkit.convert(converted)
+    assert report.left == [], str(report)
+    assert {n for n, _, _ in report.swapped} | {n for n, _, _ in report.routed} == norms
+
+    for mode in ("train", "eval"):
+        original.train(mode == "train"), converted.train(mode == "train")
+        a, b = call(original), call(converted)
+        _close(b, a, f"{name} {mode} output", tol)
+        weights = _randn(*a.shape, seed=4)
+        (a * weights).sum().backward()
+        (b * weights).sum().backward()
+        scale = max(float(p.grad.abs().max()) for p in original.parameters() if p.grad is not None)
+        for (n, pa), (_, pb) in zip(original.named_parameters(), converted.named_parameters()):
+            if pa.grad is not None:
+                _close(pb.grad, pa.grad, f"{name} {mode} grad {n}", tol, scale)
+        original.zero_grad(), converted.zero_grad()
+
+    back = normkit.revert(converted)
+    assert len(back.swapped) + len(back.routed) == len(norms)
+    assert [type(m) for m in converted.modules()] == [type(m) for m in original.modules()]
+    assert list(converted.state_dict()) == list(original.state_dict())
