@@ -2,7 +2,9 @@
 U-Nets and the VAE, whose GroupNorms are most of normkit's GroupNorm use, and the diffusion
 transformers (DiT, PixArt, SD3, Flux) with their LayerNorms and RMSNorms. Every norm module
 swapped or routed; outputs and gradients equal to the untouched model's in float64;
-revert restores the classes."""
+revert restores the classes; diffusers' RMSNorm keeps its casting in bf16."""
+
+import copy
 
 import pytest
 
@@ -144,3 +146,29 @@ def test_diffusers_model_converts_completely_and_computes_the_same(name):
     assert len(back.swapped) + len(back.routed) == len(norms)
     assert [type(m) for m in converted.modules()] == [type(m) for m in original.modules()]
     assert list(converted.state_dict()) == list(original.state_dict())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_diffusers_rms_norm_keeps_its_casting_on_bf16_inputs(bias):
+    # diffusers' RMSNorm casts the normalized input to the weight's dtype only where that is
+    # fp16/bf16 (T5's rule): with fp32 parameters a bf16 input gives an fp32 output never
+    # rounded to bf16 (Llama's rule would round it)
+    from diffusers.models.normalization import RMSNorm
+
+    for p_dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        module = RMSNorm(16, eps=1e-6, bias=bias)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape))
+        module.to(p_dtype)
+        converted = nn.Sequential(copy.deepcopy(module))
+        report = normkit.convert(converted)
+        assert report.left == [], str(report)
+        x = (torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1)) * 3 + 1).to(torch.bfloat16)
+        want, got = module(x), converted(x)
+        assert got.dtype == want.dtype
+        if p_dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            _close(got, want, f"bias={bias}, fp32 parameters", 1e-6)
