@@ -6,18 +6,17 @@ its 40 positions (its time axis), with one recurrent layer of :data:`HIDDEN` uni
 in one of two places (:data:`PLACES`)::
 
     "sum":        h(t) = tanh(norm(W_x x(t) + W_h h(t-1)))       (the LayerNorm paper's cell)
-    "recurrent":  h(t) = tanh(W_x x(t) + b + norm(W_h h(t-1)))   (from t = 2: h(0) = 0)
+    "recurrent":  h(t) = tanh(W_x x(t) + b + norm(W_h h(t-1)))   (h(1) = tanh(W_x x(1) + b))
 
-with ``h(0) = 0`` and ``logits = head(h(T))``. In the first the norm also sees each step's
-input, whose size it removes; in the second the input enters as it is. The norm is one
-layer shared by every time step, as a recurrent cell is: LayerNorm normalizes each
-sample's hidden units at each step; BatchNorm normalizes each unit over the batch, with
-one pair of running averages for all steps although the distribution changes along the
-sequence. Without a norm the two places are one network, trained once. Each method is
-trained with AdamW
-(as the transformer is: plain SGD hardly moves a tanh RNN over 40 steps in this budget)
-at batch :data:`BATCH`; measured: test error in eval mode and in
-training mode (each test batch's own statistics), and the final training loss.
+with ``h(0) = 0`` and ``logits = head(h(T))``. In the first the norm also takes each step's
+input (LayerNorm removes its size, sample by sample); in the second the input enters as it
+is. The norm is one layer shared by every time step, as a recurrent cell is: LayerNorm
+normalizes each sample's hidden units at each step; BatchNorm normalizes each unit over
+the batch, with one pair of running averages for all steps although the distribution
+changes along the sequence. Without a norm the two places are one network, trained once.
+Each method is trained with AdamW (as the transformer is: plain SGD hardly moves a tanh
+RNN over 40 steps in this budget) at batch :data:`BATCH`; measured: test error in eval
+mode and in training mode (each test batch's own statistics), and the final training loss.
 """
 
 from __future__ import annotations
