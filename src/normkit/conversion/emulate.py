@@ -110,7 +110,7 @@ def _width(module, weight):
         v = vars(module).get(name)
         if isinstance(v, int) and v > 1:
             return (v,)
-        if isinstance(v, (tuple, list)) and v and all(isinstance(s, int) for s in v):
+        if isinstance(v, (tuple, list)) and v and all(isinstance(s, int) and s > 0 for s in v):
             return tuple(v)
     return (24,)
 
