@@ -185,3 +185,27 @@ def test_diffusers_rms_norm_keeps_its_casting_on_bf16_inputs(bias):
             assert torch.equal(got, want)
         else:
             _close(got, want, f"bias={bias}, fp32 parameters", 1e-6)
+
+
+def test_a_block_named_like_a_norm_runs_its_own_norm_calls_on_normkit():
+    # AdaGroupNorm (diffusers' K-upscaler U-Nets): F.group_norm in its own forward, the
+    # scale and shift from a Linear child; AdaLayerNorm calls its nn.LayerNorm child
+    from diffusers.models.normalization import AdaGroupNorm, AdaLayerNorm
+
+    torch.manual_seed(0)
+    original = nn.ModuleDict({"group": AdaGroupNorm(8, 16, num_groups=4),
+                              "layer": AdaLayerNorm(16, num_embeddings=10)}).double()
+    converted = copy.deepcopy(original)
+    report = normkit.convert(converted)
+    assert [n for n, _, _ in report.routed] == ["group"] and report.left == [], str(report)
+    assert [n for n, _, _ in report.swapped] == ["layer.norm"], str(report)
+    x, emb = _randn(2, 16, 4, 4, seed=1).requires_grad_(), _randn(2, 8, seed=2)
+    h, step = _randn(2, 3, 16, seed=3), torch.tensor(3)
+    for a, b in ((original["group"](x, emb), converted["group"](x, emb)),
+                 (original["layer"](h, step), converted["layer"](h, step))):
+        _close(b, a, "output", 1e-12)
+    got = torch.autograd.grad(converted["group"](x, emb).square().sum(), x)[0]
+    want = torch.autograd.grad(original["group"](x, emb).square().sum(), x)[0]
+    _close(got, want, "input gradient", 1e-12)
+    normkit.revert(converted)
+    assert [type(m) for m in converted.modules()] == [type(m) for m in original.modules()]

@@ -113,7 +113,12 @@ def _convert_one(name, module, report):
                             "(a lazy layer: run one forward first, then convert)"))
         return None
     eps_name = llm.rms_structure(module)
-    if not (_norm_like(module) or eps_name is not None) or module._modules:
+    if not (_norm_like(module) or eps_name is not None):
+        return None
+    if module._modules:          # a block named like a norm (diffusers' AdaGroupNorm): its
+        how = route.route(module, nn.Module)        # own norm calls, its children visited
+        if how is not None:
+            report.routed.append((name, qualified(kind), how))
         return None
     sig = emulate.call_signature(module)
     if eps_name is not None and isinstance(sig, tuple) and sig[1] is None:
