@@ -2,8 +2,8 @@
 U-Nets and the VAE, whose GroupNorms are most of normkit's GroupNorm use, and the diffusion
 transformers (DiT, PixArt, SD3, Flux, Mochi) with their LayerNorms and RMSNorms. Every norm module
 swapped or routed; outputs and gradients equal to the untouched model's in float64;
-revert restores the classes; diffusers' RMSNorm keeps its casting in bf16; and every norm class of
-diffusers.models, alone, converts exactly or is left with a reason."""
+revert restores the classes; diffusers' RMSNorm keeps its casting in bf16 (every norm class
+alone: tests/test_norm_classes.py)."""
 
 import copy
 
@@ -211,85 +211,3 @@ def test_a_block_named_like_a_norm_runs_its_own_norm_calls_on_normkit():
     _close(got, want, "input gradient", 1e-12)
     normkit.revert(converted)
     assert [type(m) for m in converted.modules()] == [type(m) for m in original.modules()]
-
-
-# constructor arguments by name for the norm classes below; a class needing another is skipped
-_WIDTH_ARGS = {"hidden_size", "dim", "normalized_shape", "num_channels", "channels", "in_channels",
-               "embedding_dim", "embed_dim", "num_features", "features", "hidden_dim", "out_dim"}
-
-
-def _norm_classes():
-    """Every class of ``diffusers.models`` named like a norm, with the arguments to build it."""
-    import importlib
-    import inspect
-    import pkgutil
-
-    found = {}
-    for info in pkgutil.walk_packages(diffusers.models.__path__, "diffusers.models."):
-        try:
-            module = importlib.import_module(info.name)
-        except Exception:  # noqa: BLE001 -- a model module needing a library not installed
-            continue
-        for name, kind in vars(module).items():
-            if not (inspect.isclass(kind) and issubclass(kind, nn.Module) and "Norm" in name
-                    and kind.__module__ == module.__name__):
-                continue
-            kwargs = {}
-            for p in list(inspect.signature(kind.__init__).parameters.values())[1:]:
-                if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                    continue
-                if p.name in _WIDTH_ARGS:
-                    kwargs[p.name] = 24
-                elif "eps" in p.name:
-                    kwargs[p.name] = 1e-6
-                elif p.name in ("num_groups", "groups"):
-                    kwargs[p.name] = 4
-                elif p.default is inspect.Parameter.empty:
-                    break
-            else:
-                found[f"{info.name}.{name}"] = (kind, kwargs)
-                if "bias" in inspect.signature(kind.__init__).parameters:
-                    found[f"{info.name}.{name}(bias=True)"] = (kind, dict(kwargs, bias=True))
-    return found
-
-
-def test_every_diffusers_norm_class_converts_exactly_or_is_left_with_a_reason():
-    # each class alone, as convert meets it inside a model: convert never raises, a module it
-    # takes computes what the class computes (fp32, bf16, bf16 input on fp32 parameters) in
-    # the class's output dtype, and a module it leaves is named with the reason
-    taken, classes = 0, set()
-    for path, (kind, kwargs) in sorted(_norm_classes().items()):
-        try:
-            torch.manual_seed(0)
-            module = kind(**kwargs)
-        except Exception:  # noqa: BLE001 -- arguments this test guessed wrong
-            continue
-        with torch.no_grad():
-            for p in module.parameters():
-                p.copy_(torch.randn(p.shape) * 0.5 + 0.3)
-        converted = nn.ModuleDict({"m": copy.deepcopy(module)})
-        report = normkit.convert(converted)
-        assert all(reason for _, _, reason in report.left), (path, str(report))
-        if not (report.swapped or report.routed):
-            continue
-        for p_dtype, x_dtype in ((torch.float32,) * 2, (torch.bfloat16,) * 2,
-                                 (torch.float32, torch.bfloat16)):
-            mine = copy.deepcopy(module).to(p_dtype)
-            theirs = copy.deepcopy(converted["m"]).to(p_dtype)
-            for shape in ((2, 5, 24), (2, 24, 4, 4)):
-                x = (_randn(*shape, seed=1) * 2 + 0.5).to(x_dtype)
-                try:
-                    want = mine(x)
-                except Exception:  # noqa: BLE001 -- the class takes another input layout
-                    continue
-                got = theirs(x)
-                want, got = (v[0] if isinstance(v, tuple) else v for v in (want, got))
-                assert got.dtype == want.dtype, (path, p_dtype, x_dtype)
-                tol = 1e-5 if want.dtype == torch.float32 else 1.6e-2
-                _close(got.detach().float(), want.detach().float(),
-                       f"{path} {p_dtype} {x_dtype}", tol)
-                taken += 1
-                classes.add(path)
-                break
-    # diffusers 0.42: 12 classes, 36 cases; 0.32: 7, 21
-    assert len(classes) >= 6 and taken >= 18, f"only {taken} cases of {len(classes)} classes ran"

@@ -179,9 +179,22 @@ def _agrees(module, forward, shape, c, gen, saved):
             torch.allclose(got.float(), want.float(), rtol=tol, atol=tol))
 
 
+def _keeps_dtype(module, forward, shape, c, gen):
+    """Whether ``forward`` returns ``module.forward``'s dtype for a bf16 input on fp32
+    parameters (a class that writes the formula out promotes to its weight's fp32, where
+    ``layer_norm`` keeps the input's bf16)."""
+    x = torch.randn([c if s == -1 else s for s in shape], generator=gen).to(torch.bfloat16)
+    try:
+        want = module.forward(x)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return True
+    return isinstance(want, torch.Tensor) and want.dtype == forward(module, x).dtype
+
+
 def _probe_layout(module):
     """Which layout ``module.forward`` computes on probe inputs, with random affine
-    parameters swapped in for the probe (None when neither)."""
+    parameters swapped in for the probe (None when neither, or when its output dtype
+    differs from ``layer_norm``'s on a bf16 input)."""
     (c,) = module.normalized_shape
     gen = torch.Generator().manual_seed(0)
     saved = dict(module._parameters)
@@ -194,7 +207,10 @@ def _probe_layout(module):
             for layout, (forward, shapes) in _LAYOUTS.items():
                 verdicts = [_agrees(module, forward, shape, c, gen, saved) for shape in shapes]
                 if True in verdicts and False not in verdicts:    # equal wherever it runs
-                    return layout
+                    fp32 = all(p is None or p.dtype == torch.float32 for p in saved.values())
+                    shape = shapes[verdicts.index(True)]
+                    return layout if not fp32 or _keeps_dtype(module, forward, shape, c, gen) \
+                        else None
     finally:
         module._parameters.update(saved)
     return None
