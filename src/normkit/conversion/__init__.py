@@ -115,8 +115,10 @@ def _convert_one(name, module, report):
     eps_name = llm.rms_structure(module)
     if not (_norm_like(module) or eps_name is not None):
         return None
-    if module._modules:          # a block named like a norm (diffusers' AdaGroupNorm): its
-        how = route.route(module, nn.Module)        # own norm calls, its children visited
+    if module._modules:
+        # a block named like a norm (diffusers' AdaGroupNorm): its own norm calls routed,
+        # its children visited as any module is
+        how = route.route(module, nn.Module)
         if how is not None:
             report.routed.append((name, qualified(kind), how))
         return None
