@@ -14,6 +14,7 @@ from normkit.study.analysis import NAMES, pct
 from normkit.study.depth import spread
 from normkit.study.lr_range import rate_range, reached
 from normkit.study.regularize import METHODS as REGULARIZE_METHODS
+from normkit.study.sequence import PLACE_NAMES
 
 __all__ = ["A1", "A2", "BOTH", "PLAIN_SPREAD", "SMALL_FACTOR", "SCALE_TOL", "depth_row", "lr_row", "scale_row",
            "regularize_row", "grid_gap_row", "style_row", "sequence_row", "drift_row", "batch_one_row",
@@ -185,10 +186,6 @@ def style_row(exp):
             "yes" if min(inc, key=inc.get) == "instance" else "no"]
 
 
-#: what the recurrent net's norm takes at each place (``sequence.PLACES``)
-_PLACE = {"sum": "summed input", "recurrent": "recurrent term"}
-
-
 def sequence_row(exp):
     """Row 11: the recurrent network with BatchNorm and LayerNorm at each place of its norm
     (module ``sequence``). LayerNorm is ahead at a place when BatchNorm's mean test error is
@@ -207,7 +204,7 @@ def sequence_row(exp):
         bn, ln = errs("batch", place), errs("layer", place)
         d, thr = float(np.mean(bn) - np.mean(ln)), max(0.01, _spread(bn, ln))
         (ahead if d > thr else behind if d < -thr else []).append(place)
-        words.append(f"norm of the {_PLACE[place]}: BatchNorm {pct(np.mean(bn))} % (with batch statistics "
+        words.append(f"norm of the {PLACE_NAMES[place]}: BatchNorm {pct(np.mean(bn))} % (with batch statistics "
                      f"{pct(np.mean(errs('batch', place, 'test_error_train_mode')))} %), LayerNorm "
                      f"{pct(np.mean(ln))} %; difference {100 * d:+.2f} points, threshold {100 * thr:.2f}")
     p = parts["batch"]
@@ -216,10 +213,10 @@ def sequence_row(exp):
     if len(ahead) == len(places):
         verdict = "yes"
     elif ahead:
-        verdict = ("partly: LayerNorm ahead with the norm of the " + " and ".join(_PLACE[q] for q in ahead)
-                   + ", not of the " + " and ".join(_PLACE[q] for q in places if q not in ahead))
+        verdict = ("partly: LayerNorm ahead with the norm of the " + " and ".join(PLACE_NAMES[q] for q in ahead)
+                   + ", not of the " + " and ".join(PLACE_NAMES[q] for q in places if q not in ahead))
     elif behind:
-        verdict = "no: BatchNorm is better with the norm of the " + " and ".join(_PLACE[q] for q in behind)
+        verdict = "no: BatchNorm is better with the norm of the " + " and ".join(PLACE_NAMES[q] for q in behind)
     else:
         verdict = "no clear difference"
     return ["BatchNorm suits sequence models poorly", BOTH,

@@ -48,12 +48,12 @@ def _how(results) -> dict:
                              "fitted).")
     c = cfg("sequence")
     if c:
-        places = {"sum": "h(t) = tanh(norm(W_x x(t) + W_h h(t-1))), the norm of the summed input (the "
-                  "LayerNorm paper's cell)", "recurrent": "h(t) = tanh(W_x x(t) + b + norm(W_h h(t-1))), the norm "
-                  "of the recurrent term alone (the input enters as it is)"}
+        cells = {"sum": "h(t) = tanh(norm(W_x x(t) + W_h h(t-1))) (the LayerNorm paper's cell)",
+                 "recurrent": "h(t) = tanh(W_x x(t) + b + norm(W_h h(t-1))) (the input enters as it is)"}
         out["sequence"] = (f"A recurrent network with {sequence.HIDDEN} units, reading a signal left to right in "
                            f"{40 // c['chunk']} steps of {c['chunk']} values, one norm shared by all steps: "
-                           + "; ".join(places[q] for q in c.get("places", ["sum"]))
+                           + "; ".join(f"the norm of the {sequence.PLACE_NAMES[q]}, {cells[q]}"
+                                       for q in c.get("places", ["sum"]))
                            + f". {c['steps']} AdamW steps (rate {c['lr']:g}) at batch 32, seeds "
                            f"{', '.join(map(str, c['seeds']))}.")
     return out

@@ -93,7 +93,7 @@ def cost(name: str, cfg: dict, grid_steps_at_32: int) -> float:
     if name == "robust":
         return grid_steps_at_32 + 200
     if name == "sequence":
-        return 2.0 * cfg["steps"] * len(cfg["seeds"]) * len(cfg.get("places", [1]))
+        return 2.0 * cfg["steps"] * len(cfg["seeds"]) * len(cfg["places"])
     if name == "regularize":
         return 1.3 * cfg["steps"] * len(cfg["sizes"]) * len(cfg["seeds"])
     return 2.5 * cfg["steps"] * len(cfg["lrs"]) * len(cfg["seeds"])

@@ -29,10 +29,12 @@ from torch import nn
 import normkit.nn as nk
 from normkit.study.train import _batches, _error, _train_mode_error, fit, train_error
 
-__all__ = ["METHODS", "PLACES", "HIDDEN", "BATCH", "DEFAULT", "QUICK", "StepRNN", "run"]
+__all__ = ["METHODS", "PLACES", "PLACE_NAMES", "HIDDEN", "BATCH", "DEFAULT", "QUICK", "StepRNN", "run"]
 
 METHODS = ("none", "batch", "layer")
 PLACES = ("sum", "recurrent")
+#: what the norm takes at each place, for the report
+PLACE_NAMES = {"sum": "summed input", "recurrent": "recurrent term"}
 HIDDEN = 48
 BATCH = 32
 DEFAULT = dict(steps=2000, lr=3e-3, seeds=(0, 1, 2), chunk=4, places=PLACES)
