@@ -237,3 +237,36 @@ def test_export_with_a_dynamic_batch(train):
                                atol=1e-5)
     for (n, b), lb in zip(model.named_buffers(), loaded.buffers()):
         torch.testing.assert_close(lb, b, rtol=1e-6, atol=1e-6, msg=n)
+
+
+def test_aot_inductor_package_of_the_decomposed_program_runs_without_normkit(tmp_path):
+    # AOTInductor compiles an exported program to a shared library; decomposed first, the
+    # package holds aten ops only and loads in a process that never imports normkit (the
+    # undecomposed program's package calls normkit's Python operators: "Could not find
+    # schema for normkit::norm_forward" there)
+    import subprocess
+    import sys
+
+    class Hidden(torch.nn.Module):            # (a tensor out: transformers' output class
+        def __init__(self):                    # is a pytree the loading process lacks)
+            super().__init__()
+            self.inner = _converted("resnet")
+
+        def forward(self, x):
+            return self.inner(x).last_hidden_state
+
+    model = Hidden().eval()
+    x = torch.randn(2, 3, 32, 32)
+    ep = torch.export.export(model, (x,)).run_decompositions(ops.decompositions())
+    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"))
+    torch.save(x, tmp_path / "x.pt")
+    script = ("import sys, torch\n"
+              "run = torch._inductor.aoti_load_package(sys.argv[1])\n"
+              "out = run(torch.load(sys.argv[2]))\n"
+              "torch.save(out, sys.argv[3])\n"
+              "assert 'normkit' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", script, package, str(tmp_path / "x.pt"),
+                    str(tmp_path / "y.pt")], check=True, timeout=300)
+    with torch.no_grad():
+        want = model(x)
+    torch.testing.assert_close(torch.load(tmp_path / "y.pt"), want, rtol=1e-5, atol=1e-5)
