@@ -1,5 +1,6 @@
 """convert on every norm class that transformers' and diffusers' models define, each class
-alone, as convert meets it inside a model: convert never raises; a module it takes computes
+alone, as convert meets it inside a model: convert never raises, and decides on the meta
+device as on the CPU; a module it takes computes
 what the class computes -- in fp32, in bf16, and on a bf16 input with fp32 parameters (mixed
 precision), in the class's output dtype, and equal to its output or no less accurate than it
 against the class's own float64 forward; a module it leaves is named with a reason."""
@@ -137,8 +138,13 @@ def test_every_norm_class_converts_exactly_or_is_left_with_a_reason(library, lea
         with torch.no_grad():
             for p in module.parameters():
                 p.copy_(torch.randn(p.shape) * 0.5 + 0.3)
+        # on the meta device (a model built there, its weights loaded later) convert
+        # decides as on the CPU; first, so that no probe's cache answers for it
+        on_meta = nn.ModuleDict({"m": copy.deepcopy(module).to("meta")})
+        meta_report = str(normkit.convert(on_meta))
         holder = nn.ModuleDict({"m": copy.deepcopy(module)})
         report = normkit.convert(holder)
+        assert meta_report == str(report), path
         assert all(reason for _, _, reason in report.left), (path, str(report))
         if (report.swapped or report.routed) and _check(path, module, holder["m"]):
             taken.add(path)

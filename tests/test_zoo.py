@@ -323,3 +323,33 @@ def test_converted_zoo_model_compiles_fullgraph_without_breaks(name):
     assert torch._dynamo.explain(model)(x).graph_break_count == 0
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     torch.testing.assert_close(_output(compiled(x)), _output(model(x)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, kind, options", [
+    ("resnet", "vision", {"fuse_activation": True}), ("convnext", "vision", {}),
+    ("bit", "vision", {}), ("llama", "language", {"fuse_residual": True}),
+    ("gemma", "language", {}), ("t5", "language", {})])
+def test_a_model_built_on_the_meta_device_converts_as_on_the_cpu(name, kind, options):
+    # the way large models are made: built on the meta device, converted, then given
+    # memory and their weights (to_empty, load_state_dict); convert decides as on the CPU
+    from zoo_models import build_language, tokens
+
+    make = build if kind == "vision" else build_language
+    with torch.device("meta"):
+        on_meta = make(name)
+    meta_report = str(normkit.convert(on_meta, **options))
+    model = make(name)
+    report = normkit.convert(model, **options)
+    assert meta_report == str(report)
+    on_meta.to_empty(device="cpu")
+    on_meta.load_state_dict(model.state_dict())
+    buffers = dict(model.named_buffers())       # (non-persistent ones: rotary frequencies)
+    for n, b in on_meta.named_buffers():
+        b.copy_(buffers[n])
+    model.eval(), on_meta.eval()
+    x = pixels() if kind == "vision" else tokens()
+    args = {} if kind == "vision" else {"decoder_input_ids": x} if name == "t5" else {}
+    want, got = model(x, **args), on_meta(x, **args)
+    key = "last_hidden_state" if kind == "vision" else "logits"
+    torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+    assert {type(m) for m in on_meta.modules()} == {type(m) for m in model.modules()}

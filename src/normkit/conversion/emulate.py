@@ -93,9 +93,8 @@ def structure(module):
         return f"it holds parameters {sorted(extra)} besides weight and bias"
     weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
     for p in (weight, bias):
-        if p is not None and (not p.is_floating_point() or p.device.type == "meta" or
-                              p.dim() == 0):
-            return "its weight or bias is not a floating tensor with data"
+        if p is not None and (not p.is_floating_point() or p.dim() == 0):
+            return "its weight or bias is not a floating tensor"
     for name in EPS_NAMES:
         eps = vars(module).get(name)
         if isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0:
@@ -267,14 +266,16 @@ def _frozen_search(module, sig):
     probe["running_var"] = probe["running_var"].abs() + 0.1
     eps_attr = next((n for n in EPS_NAMES if isinstance(vars(module).get(n), float)), None)
     saved = dict(buffers)
+    like = saved["weight"]
+    x = x.to("cpu" if like.is_meta else like.device, like.dtype)  # (a meta model: the CPU)
     try:
-        buffers.update({n: v.to(saved[n]) for n, v in probe.items()})
+        buffers.update({n: v.to(x) for n, v in probe.items()})
         with torch.no_grad():
-            want = module.forward(x.to(saved["weight"]))
+            want = module.forward(x)
             for eps in ([None] if eps_attr else []) + list(_FROZEN_EPS):
                 recipe = Recipe(True, eps_attr if eps is None else None,
                                 frozen_eps=getattr(module, eps_attr) if eps is None else eps)
-                if _same(recipes.run(module, recipe, x.to(saved["weight"])), want):
+                if _same(recipes.run(module, recipe, x), want):
                     return recipe
     except Exception as err:  # noqa: BLE001 -- foreign code failing on a probe input
         return f"its forward failed on a probe input ({type(err).__name__}: {err})"
@@ -290,9 +291,9 @@ def elementwise(module, sig) -> bool:
         return False
     found = structure(module)
     weight = found[1] if isinstance(found, tuple) else module._parameters.get("weight")
-    like = weight if weight is not None else torch.empty(0)
     x = torch.randn((2,) + _width(module, weight), generator=torch.Generator().manual_seed(0))
-    x = x.to(like)
+    if weight is not None:       # the weight's dtype and device (a meta model's: the CPU)
+        x = x.to("cpu" if weight.is_meta else weight.device, weight.dtype)
     bumped = x.clone()
     bumped.view(-1)[0] += 1.0
     try:

@@ -44,8 +44,7 @@ def rms_structure(module):
     if set(module._parameters) != {"weight"}:
         return None
     weight = module._parameters["weight"]
-    if weight is None or not weight.is_floating_point() or weight.dim() == 0 or \
-            weight.device.type == "meta":
+    if weight is None or not weight.is_floating_point() or weight.dim() == 0:
         return None
     for name in ("variance_epsilon", "eps"):
         eps = vars(module).get(name)
@@ -64,12 +63,13 @@ def probe_rule(module, eps_name):
     x = torch.randn((4,) + shape, generator=gen) * 2 + 0.25
     w = torch.randn(shape, generator=gen) * 0.5 + 0.3
     errors = {rule: 0 for rule in _RULES}
+    device = "cpu" if weight.is_meta else weight.device   # (a meta model probes on the CPU)
     try:
         with torch.no_grad():
             for x_dtype, w_dtype in _PROBES:
-                module._parameters["weight"] = nn.Parameter(w.to(weight.device, w_dtype),
+                module._parameters["weight"] = nn.Parameter(w.to(device, w_dtype),
                                                             requires_grad=False)
-                xp = x.to(weight.device, x_dtype)
+                xp = x.to(device, x_dtype)
                 want = module.forward(xp)
                 if not isinstance(want, torch.Tensor) or want.shape != xp.shape:
                     return "its forward does not return a tensor of the input's shape"

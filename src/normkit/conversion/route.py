@@ -163,12 +163,12 @@ _LAYOUTS = {"channels_first": (_channels_first_forward, ((2, -1, 3, 5), (2, -1, 
             "channels_last": (_channels_last_forward, ((2, 3, 5, -1), (2, 5, -1)))}
 
 
-def _agrees(module, forward, shape, c, gen, saved):
+def _agrees(module, forward, shape, c, gen):
     """Whether ``forward`` equals ``module.forward`` on a probe input of ``shape`` (None
     where ``module.forward`` refuses that shape)."""
     x = torch.randn([c if s == -1 else s for s in shape], generator=gen)
-    like = next((p for p in saved.values() if p is not None), None)
-    x = (x if like is None else x.to(like)) * 2 + 0.5   # the params' dtype, device
+    like = next((p for p in module._parameters.values() if p is not None), None)
+    x = (x if like is None else x.to(like)) * 2 + 0.5   # the probe params' dtype, device
     try:
         want = module.forward(x)
     except (RuntimeError, ValueError, TypeError, IndexError):
@@ -184,6 +184,8 @@ def _keeps_dtype(module, forward, shape, c, gen):
     parameters (a class that writes the formula out promotes to its weight's fp32, where
     ``layer_norm`` keeps the input's bf16)."""
     x = torch.randn([c if s == -1 else s for s in shape], generator=gen).to(torch.bfloat16)
+    like = next((p for p in module._parameters.values() if p is not None), None)
+    x = x if like is None else x.to(like.device)        # the probe params' device
     try:
         want = module.forward(x)
     except (RuntimeError, ValueError, TypeError, IndexError):
@@ -202,10 +204,11 @@ def _probe_layout(module):
         with torch.no_grad():
             for name, p in saved.items():
                 if p is not None:
-                    module._parameters[name] = nn.Parameter(
-                        torch.randn(p.shape, generator=gen).to(p), requires_grad=False)
+                    module._parameters[name] = nn.Parameter(   # (a meta model: the CPU)
+                        torch.randn(p.shape, generator=gen).to("cpu" if p.is_meta else p.device,
+                                                               p.dtype), requires_grad=False)
             for layout, (forward, shapes) in _LAYOUTS.items():
-                verdicts = [_agrees(module, forward, shape, c, gen, saved) for shape in shapes]
+                verdicts = [_agrees(module, forward, shape, c, gen) for shape in shapes]
                 if True in verdicts and False not in verdicts:    # equal wherever it runs
                     fp32 = all(p is None or p.dtype == torch.float32 for p in saved.values())
                     shape = shapes[verdicts.index(True)]
