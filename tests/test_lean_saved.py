@@ -3,7 +3,8 @@ cast then multiply, Gemma's (1 + w) in fp32, T5's; the recipes' LayerNorms with 
 keeps for backward only its input in its own dtype, the fp32 statistics and the weight;
 its outputs and gradients are those of the model's order of ops around normkit's plain op
 bit for bit, and those of the transformers classes as before (test_llm_conversion.py,
-test_convert_recipes.py)."""
+test_convert_recipes.py). Under activation checkpointing, which drops the saved tensors and
+runs the forward again, converted models give torch.nn's gradients."""
 
 import copy
 import itertools
@@ -302,3 +303,62 @@ def test_add_rms_norm_casting_refuses_memory_saving():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="memory_saving=True recomputes x_hat"):
         nF.add_rms_norm(x, x, (8,), torch.ones(8), casting="llama", memory_saving=True)
+
+
+class _Blocks(torch.nn.Module):
+    """Three blocks (BatchNorm + ReLU, GroupNorm + SiLU, LayerNorm), each run under
+    ``torch.utils.checkpoint`` (its saved tensors dropped, its forward run again in
+    backward)."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        nn = torch.nn
+        self.blocks = nn.ModuleList([
+            nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+            nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU()),
+            nn.LayerNorm([8, 6, 6])])
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused_activation"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["saved_hooks", "reentrant"])
+def test_activation_checkpointing_gives_torch_nn_gradients(reentrant, fuse):
+    # the recomputed forward updates BatchNorm's running statistics a second time, as
+    # torch.nn's does
+    torch.manual_seed(0)
+    theirs = _Blocks(reentrant)
+    mine = copy.deepcopy(theirs)
+    normkit.convert(mine, fuse_activation=fuse)
+    x = torch.randn(4, 3, 6, 6, requires_grad=True)
+    xm = x.detach().clone().requires_grad_()
+    (theirs(x) ** 2).mean().backward()
+    (mine(xm) ** 2).mean().backward()
+    torch.testing.assert_close(xm.grad, x.grad, rtol=1e-5, atol=1e-7)
+    for (name, p), q in zip(theirs.named_parameters(), mine.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    for (name, b), c in zip(theirs.named_buffers(), mine.buffers()):
+        torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert int(mine.blocks[0][1].num_batches_tracked) == 2
+
+
+def test_a_language_model_with_gradient_checkpointing_gives_its_gradients():
+    pytest.importorskip("transformers")
+    from zoo_models import build_language, tokens
+
+    theirs = build_language("llama")
+    mine = copy.deepcopy(theirs)
+    normkit.convert(mine, fuse_residual=True)
+    ids = tokens()
+    for model in (theirs, mine):
+        enable = getattr(model, "activation_checkpointing_enable", None)  # (transformers 5.x;
+        enable = enable or model.gradient_checkpointing_enable             # before: this name)
+        enable({"use_reentrant": False})
+        model(ids, labels=ids).loss.backward()
+    for (name, p), q in zip(theirs.named_parameters(), mine.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
