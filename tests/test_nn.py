@@ -177,6 +177,25 @@ def test_zero_size_batch(name, args, shape):
     _steps(ours, theirs, shape, torch.float32, steps=1)
 
 
+@pytest.mark.parametrize("name,args,shape", [("GroupNorm", (2, 4), (2, 4, 0, 5)),
+                                             ("InstanceNorm2d", (4,), (0, 4, 3, 5)),
+                                             ("InstanceNorm2d", (4,), (2, 4, 0, 5)),
+                                             ("BatchNorm2d", (4,), (2, 4, 0, 5)),
+                                             ("LayerNorm", (5,), (2, 0, 5))])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_groups_of_no_element(name, args, shape, train):
+    # an empty output, and the parameters' gradients are sums over no element: 0. torch 2.13
+    # gives GroupNorm's as NaN, and raises IndexError for InstanceNorm on a batch of 0
+    flags = dict(affine=True, track_running_stats=True) if "Instance" in name else {}
+    layer = getattr(nknn, name)(*args, **flags).train(train)
+    x = torch.randn(shape, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape
+    for p in layer.parameters():
+        assert torch.equal(p.grad, torch.zeros_like(p)), name
+
+
 def test_momentum_none_is_cumulative_average():
     ours = nknn.BatchNorm1d(2, momentum=None, dtype=torch.float64)
     xs = [torch.randn(6, 2, dtype=torch.float64) + i for i in range(4)]
