@@ -122,7 +122,44 @@ def test_folded_weights_follow_the_formula():
     folded = report.model[0]
     torch.testing.assert_close(folded.weight, w.float(), rtol=0, atol=0)
     torch.testing.assert_close(folded.bias, b.float(), rtol=0, atol=0)
-    assert isinstance(report.model[1], nn.Identity)
+    assert isinstance(report.model[1], normkit.folding.FoldedBatchNorm)
+
+
+@pytest.mark.parametrize("make, good, bad, torch_refuses", [
+    # a Linear's 3-D output (N, C, L), L == C: BatchNorm1d normalized dim 1, the fold
+    # scaled the Linear's features (the last dim)
+    (lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), (5, 4), (2, 4, 4), False),
+    # an unbatched (C, L) input to a Conv1d: its BatchNorm1d took the output as (N, C)
+    (lambda: nn.Sequential(nn.Conv1d(3, 5, 1), nn.BatchNorm1d(5)), (2, 3, 5), (3, 5), False),
+    # an unbatched (C, H, W) input to a Conv2d, which BatchNorm2d refused
+    (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), (2, 3, 8, 8), (3, 8, 8),
+     True)])
+def test_an_input_of_another_layout_than_the_fold_assumed_raises(make, good, bad,
+                                                                 torch_refuses):
+    model = _randomize(make()).eval()
+    folded = normkit.fold(model).model
+    x = torch.randn(good)
+    _close(folded(x), model(x), 1e-6)
+    x = torch.randn(bad)
+    if torch_refuses:
+        with pytest.raises(ValueError):
+            model(x)
+    else:                                   # what the fold would have computed: not that
+        assert not torch.allclose(folded[0](x), model(x), atol=1e-3)
+    with pytest.raises(ValueError, match=r"folded into .* for \d-D input .*, got a "
+                                         r"\d-D input of shape"):
+        folded(x)
+
+
+def test_a_folded_model_scripts_exports_and_keeps_the_activation():
+    model = _randomize(nn.Sequential(nn.Conv2d(3, 4, 3),
+                                     nknn.BatchNorm2d(4, activation="relu6"))).eval()
+    folded = normkit.fold(model).model
+    assert isinstance(folded[1].act, nn.ReLU6)
+    x = torch.randn(2, 3, 8, 8) * 4
+    _close(folded(x), model(x), 1e-6)
+    _close(torch.jit.script(folded)(x), model(x), 1e-6)
+    _close(torch.export.export(folded, (x,)).module()(x), model(x), 1e-6)
 
 
 class Unfoldable(nn.Module):

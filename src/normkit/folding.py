@@ -11,8 +11,9 @@ output goes nowhere else, the two maps compose into one layer with
 
 .. math:: W' = s_o\,W_o, \qquad b' = (b_o - \mu_o)\,s_o + \beta_o
 
-for every output channel ``o``, and the BatchNorm becomes ``nn.Identity()``. ``fold``
-computes ``s``, ``W'`` and ``b'`` in float64 and casts them once to the producer's dtype.
+for every output channel ``o``, and the BatchNorm becomes a ``FoldedBatchNorm``: the
+identity, after a check that its input has the layout the fold assumed. ``fold`` computes
+``s``, ``W'`` and ``b'`` in float64 and casts them once to the producer's dtype.
 
 Which layer feeds which BatchNorm is read off the graph that ``torch.fx`` records, not off
 the order of the modules. A module whose forward cannot be traced (Python control flow on
@@ -37,7 +38,7 @@ from torch import fx, nn
 
 import normkit.nn as nknn
 
-__all__ = ["fold", "FoldReport"]
+__all__ = ["fold", "FoldReport", "FoldedBatchNorm"]
 
 
 @dataclass
@@ -305,15 +306,49 @@ def _fold_into(producer, bn) -> None:
 # The entry point
 
 
-def _after_fold(bn):
-    """What a folded BatchNorm becomes: ``nn.Identity()``, or the activation module it
-    applied (a normkit BatchNorm with ``activation``, ``normkit.functional.batch_norm``)."""
+class FoldedBatchNorm(nn.Module):
+    """A BatchNorm folded into its producer: ``act(x)`` (the identity, or the activation the
+    BatchNorm applied), where ``x`` has the layout the fold assumed: ``dims`` dimensions,
+    (N, C) after a Linear, (N, C, *spatial) after a convolution. Any other input raises a
+    ``ValueError``: the BatchNorm refused it, or, a Linear's 3-D output (N, C, L),
+    normalized it over dim 1, not over the Linear's features, which the fold scaled."""
+
+    def __init__(self, kind: str, producer: str, dims: int, act: nn.Module):
+        super().__init__()
+        self.kind, self.producer, self.dims = kind, producer, dims
+        self.layout = ("(N, C)", "(N, C, L)", "(N, C, H, W)", "(N, C, D, H, W)")[dims - 2]
+        self.act = act
+        self.identity = isinstance(act, nn.Identity)   # (no nested call: about 1 us)
+
+    def forward(self, x):
+        if x.dim() != self.dims:
+            raise ValueError("this " + self.kind + " was folded into " + self.producer
+                             + " (normkit.fold) for " + str(self.dims) + "-D input "
+                             + self.layout + ", got a " + str(x.dim()) + "-D input of shape "
+                             + str(list(x.shape)) + "; the unfolded BatchNorm would "
+                             + "normalize another axis or refuse it: run the unfolded model")
+        if self.identity:
+            return x
+        return self.act(x)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind} folded into {self.producer}, {self.dims}-D input"
+
+
+def _after_fold(bn, producer_name, producer):
+    """What a folded BatchNorm becomes: a ``FoldedBatchNorm`` that checks its input's
+    dimensions and applies the activation module the BatchNorm applied, if any (a normkit
+    BatchNorm with ``activation``), else ``nn.Identity()``."""
     name = getattr(bn, "activation", None)
     if name is None:
-        return nn.Identity()
-    if name == "leaky_relu":
-        return nn.LeakyReLU(bn.negative_slope)
-    return {"relu": nn.ReLU, "relu6": nn.ReLU6, "silu": nn.SiLU}[name]()
+        act = nn.Identity()
+    elif name == "leaky_relu":
+        act = nn.LeakyReLU(bn.negative_slope)
+    else:
+        act = {"relu": nn.ReLU, "relu6": nn.ReLU6, "silu": nn.SiLU}[name]()
+    dims = 2 if isinstance(producer, nn.Linear) else _FOLDABLE[type(bn)] + 2
+    where = f"{type(producer).__name__} {producer_name!r}"
+    return FoldedBatchNorm(type(bn).__name__, where, dims, act)
 
 
 def fold(model: nn.Module, *, inplace: bool = False) -> FoldReport:
@@ -326,12 +361,14 @@ def fold(model: nn.Module, *, inplace: bool = False) -> FoldReport:
               b' = (b - \mu) \frac{\gamma}{\sqrt{\sigma^2 + \epsilon}} + \beta
 
     per output channel (computed in float64, cast to the producer's dtype; a missing
-    bias is created), and the BatchNorm becomes ``nn.Identity()`` (or the activation module
-    a normkit BatchNorm with an ``activation`` applied). torch.nn's and normkit's
+    bias is created), and the BatchNorm becomes a ``FoldedBatchNorm``: the identity (or
+    the activation a normkit BatchNorm with an ``activation`` applied) on an input of the
+    layout the fold assumed, a ``ValueError`` on any other. torch.nn's and normkit's
     BatchNorm layers both fold; grouped, dilated and bias-free convolutions included.
     The producer is found from the ``torch.fx`` graph of the model, so the order in which
     modules are declared does not matter. fx records no shapes: a ``Linear`` feeding a
-    ``BatchNorm1d`` is assumed to output ``(N, C)``, as torch.ao's fuser assumes too.
+    ``BatchNorm1d`` is assumed to output ``(N, C)``, as torch.ao's fuser assumes too; the
+    ``FoldedBatchNorm`` raises where it does not.
 
     A BatchNorm is left in place, and listed in the report with the reason, when it is in
     training mode, has no running statistics, has no producer, its producer's output or
@@ -422,6 +459,7 @@ def fold(model: nn.Module, *, inplace: bool = False) -> FoldReport:
     for name, bn, producer_name, producer in to_fold:
         _fold_into(producer, bn)
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, _after_fold(bn))
+        setattr(model.get_submodule(parent_name), attr, _after_fold(bn, producer_name,
+                                                                    producer))
         report.folded.append((name, producer_name, type(producer).__name__))
     return report
