@@ -336,9 +336,22 @@ def test_errors_match_torch_types_and_carry_values():
             call(NF)
 
 
-def test_normalize_rejects_bad_dims():
-    with pytest.raises(ValueError, match="dims"):
-        NF.normalize(torch.randn(2, 3), dims=(5,))
+@pytest.mark.parametrize("dims, err, text", [
+    ((5,), ValueError, r"between -2 and 1\), got \(5,\)"), ((), ValueError, "non-empty"),
+    ((-1, 1), ValueError, r"name dim 1 of the 2D input more than once \(-1, 1\)"),
+    ((0, 0), ValueError, "more than once"), ((1.0,), TypeError, r"got \(1.0,\)"),
+    (None, TypeError, "got None"), (True, TypeError, "got True")])
+def test_normalize_rejects_bad_dims(dims, err, text):
+    with pytest.raises(err, match=text):
+        NF.normalize(torch.randn(2, 3), dims=dims)
+
+
+def test_normalize_takes_dims_as_any_ints():
+    x = torch.randn(2, 3, 4)
+    want = NF.normalize(x, (0, 2))
+    for dims in ({0, 2}, [2, 0], (0, -1), range(0, 3, 2), (np.int64(0), torch.tensor(2))):
+        assert_close(NF.normalize(x, dims), want)
+    assert_close(NF.normalize(x, np.int64(1)), NF.normalize(x, 1))
 
 
 # --- the general form is every method ----------------------------------------------------

@@ -5,6 +5,7 @@ arguments" or an AttributeError on ``None`` says neither)."""
 from __future__ import annotations
 
 import numbers
+import operator
 
 import torch
 
@@ -63,3 +64,25 @@ def _momentum(op, momentum, allowed="a number") -> float:
         raise TypeError(f"{op}: momentum must be {allowed}, got {type(momentum).__name__} "
                         f"{momentum!r}; the usual value is 0.1")
     return float(momentum)
+
+
+def _dims(op, dims, nd) -> tuple:
+    """``dims`` (an int, or an iterable of ints) as a tuple of dims of an ``nd``-D input,
+    each named once; a TypeError or ValueError with the values and the fix otherwise."""
+    try:
+        items = [dims] if hasattr(type(dims), "__index__") else list(dims)
+    except TypeError:
+        items = [dims]
+    if not all(hasattr(type(d), "__index__") and not isinstance(d, bool) for d in items):
+        raise TypeError(f"{op}: dims must be an int or a sequence of ints, got {dims!r}; "
+                        f"pass e.g. dims=(0, 2, 3)")
+    out = tuple(operator.index(d) for d in items)
+    if not out or any(not -nd <= d < nd for d in out):
+        raise ValueError(f"{op}: dims must be a non-empty set of dims of a {nd}D input "
+                         f"(between {-nd} and {nd - 1}), got {out}")
+    for d in out:
+        same = [e for e in out if e % nd == d % nd]
+        if len(same) > 1:
+            raise ValueError(f"{op}: dims {out} name dim {d % nd} of the {nd}D input more "
+                             f"than once ({', '.join(map(str, same))}); give each dim once")
+    return out

@@ -26,7 +26,8 @@ except ModuleNotFoundError as error:   # (an optional dependency)
 
 from normkit import backends, ops
 from normkit import grouping as G
-from normkit._checks import _check_channels, _check_floating, _check_running, _momentum, _size
+from normkit._checks import (_check_channels, _check_floating, _check_running, _dims, _momentum,
+                             _size)
 from normkit.activation import resolve
 from normkit.ops import add_norm, apply_norm, cast_norm
 from normkit.backends import torch_ops
@@ -387,14 +388,7 @@ def normalize(x, dims, eps=1e-5, weight=None, bias=None, center=True):
         >>> z = normalize(x, dims=(-1,), center=False)  # RMSNorm over the last dim
     """
     _check_floating(x, "normalize")
-    if isinstance(dims, int):
-        dims = (dims,)
-    dims = tuple(dims)
-    nd = x.dim()
-    bad = [d for d in dims if not -nd <= d < nd]
-    if bad or not dims:
-        raise ValueError(f"dims must be a non-empty set of dims of a {nd}D input "
-                         f"(between {-nd} and {nd - 1}), got {dims}")
+    dims = _dims("normalize", dims, x.dim())
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None:
             if not all(a == b or 1 in (a, b) for a, b in zip(reversed(p.shape),
