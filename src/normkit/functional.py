@@ -276,7 +276,12 @@ def _check_normalized_shape(input, normalized_shape, weight, bias, op):
     """A floating input (``_check_floating``) whose trailing dims are ``normalized_shape``,
     the shape of the given weight and bias; returns it as a tuple."""
     _check_floating(input, op)
-    shape = tuple(normalized_shape)
+    try:
+        shape = tuple(normalized_shape)
+    except TypeError:                              # (torch's type, with the fix)
+        raise TypeError(f"{op}: normalized_shape must be a tuple of ints, got "
+                        f"{type(normalized_shape).__name__} {normalized_shape!r}; for the "
+                        f"last dim alone pass ({normalized_shape!r},)") from None
     k = len(shape)
     if (k and input.shape[input.dim() - k:] == shape and (weight is None or weight.shape == shape)
             and (bias is None or bias.shape == shape)):
