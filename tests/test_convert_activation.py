@@ -141,6 +141,41 @@ def test_fold_keeps_the_activation():
     assert type(folded[1].act) is nn.ReLU          # (in the FoldedBatchNorm's input check)
 
 
+class _SiLUBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.SiLU()
+
+    def forward(self, x):
+        y = self.conv(x)
+        y = self.bn(y)
+        y = self.act(y)
+        return y
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4),
+                                                        nn.SiLU()), _SiLUBlock],
+                         ids=["sequential", "forward"])
+def test_revert_after_fold_applies_the_activation_once(make):
+    # revert gives the fused SiLU back to its module (or forward statement); the folded
+    # BatchNorm stops applying it (it was applied twice: 0.21 off)
+    torch.manual_seed(0)
+    model = make()
+    normkit.convert(model, fuse_activation=True)
+    model(torch.randn(4, 3, 6, 6))
+    model.eval()
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        want = model(x)
+        folded = normkit.fold(model).model
+        torch.testing.assert_close(folded(x), want, rtol=1e-5, atol=1e-5)
+        report = normkit.revert(folded)
+        torch.testing.assert_close(folded(x), want, rtol=1e-5, atol=1e-5)
+    assert any("given back" in why for _, _, why in report.activations_fused)
+    assert not [m for m in folded.modules() if isinstance(m, (nknn.BatchNorm2d,
+                                                              FusedActivation))]
+
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -311,14 +311,22 @@ class FoldedBatchNorm(nn.Module):
     BatchNorm applied), where ``x`` has the layout the fold assumed: ``dims`` dimensions,
     (N, C) after a Linear, (N, C, *spatial) after a convolution. Any other input raises a
     ``ValueError``: the BatchNorm refused it, or, a Linear's 3-D output (N, C, L),
-    normalized it over dim 1, not over the Linear's features, which the fold scaled."""
+    normalized it over dim 1, not over the Linear's features, which the fold scaled.
+    ``from_fusion``: the activation is one ``convert(fuse_activation=True)`` took from a
+    module after the BatchNorm; ``normkit.revert`` gives it back there (``give_back``)."""
 
-    def __init__(self, kind: str, producer: str, dims: int, act: nn.Module):
+    def __init__(self, kind: str, producer: str, dims: int, act: nn.Module,
+                 from_fusion: bool = False):
         super().__init__()
         self.kind, self.producer, self.dims = kind, producer, dims
         self.layout = ("(N, C)", "(N, C, L)", "(N, C, H, W)", "(N, C, D, H, W)")[dims - 2]
         self.act = act
         self.identity = isinstance(act, nn.Identity)   # (no nested call: about 1 us)
+        self.from_fusion = from_fusion
+
+    def give_back(self) -> None:
+        """Stop applying the activation (revert restores the module it was fused from)."""
+        self.act, self.identity, self.from_fusion = nn.Identity(), True, False
 
     def forward(self, x):
         if x.dim() != self.dims:
@@ -348,7 +356,8 @@ def _after_fold(bn, producer_name, producer):
         act = {"relu": nn.ReLU, "relu6": nn.ReLU6, "silu": nn.SiLU}[name]()
     dims = 2 if isinstance(producer, nn.Linear) else _FOLDABLE[type(bn)] + 2
     where = f"{type(producer).__name__} {producer_name!r}"
-    return FoldedBatchNorm(type(bn).__name__, where, dims, act)
+    return FoldedBatchNorm(type(bn).__name__, where, dims, act,
+                           bool(bn.__dict__.get("_normkit_fused_activation")))
 
 
 def fold(model: nn.Module, *, inplace: bool = False) -> FoldReport:

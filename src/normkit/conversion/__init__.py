@@ -50,6 +50,7 @@ except ModuleNotFoundError as error:   # (an optional dependency)
 
 import normkit.nn as nknn
 from normkit.conversion import activation, emulate, fuse, llm, route, swap
+from normkit.folding import FoldedBatchNorm
 from normkit.conversion.classes import qualified
 from normkit.conversion.report import ConversionReport
 
@@ -160,6 +161,11 @@ def _revert_one(name, module, report):
         return None
     if isinstance(module, activation.FusedActivation):       # (listed as swapped back)
         return module.original
+    if isinstance(module, FoldedBatchNorm) and module.from_fusion:   # (fold, then revert)
+        module.give_back()
+        report.activations_fused.append((name, qualified(kind), "its activation given back "
+                                         "to the module it was fused from"))
+        return None
     if route.is_routed(module):
         report.routed.append((name, qualified(kind), f"class {route.unroute(module)} restored"))
         return None
