@@ -330,11 +330,10 @@ class FoldedBatchNorm(nn.Module):
 
     def forward(self, x):
         if x.dim() != self.dims:
-            raise ValueError("this " + self.kind + " was folded into " + self.producer
-                             + " (normkit.fold) for " + str(self.dims) + "-D input "
-                             + self.layout + ", got a " + str(x.dim()) + "-D input of shape "
-                             + str(list(x.shape)) + "; the unfolded BatchNorm would "
-                             + "normalize another axis or refuse it: run the unfolded model")
+            raise ValueError(f"this {self.kind} was folded into {self.producer} (normkit.fold) "
+                             f"for {self.dims}-D input {self.layout}, got a {x.dim()}-D input "
+                             f"of shape {list(x.shape)}; the unfolded BatchNorm would normalize "
+                             f"another axis or refuse it: run the unfolded model")
         if self.identity:
             return x
         return self.act(x)
