@@ -127,9 +127,10 @@ def test_opt_in():
     assert model[1].activation is None and type(model[2]) is nn.ReLU6
 
 
-def test_fold_keeps_the_activation():
+def _fused_then_folded(model):
+    """``model`` converted with ``fuse_activation=True``, trained a step, in eval: an input,
+    the model's output on it and the folded model, checked equal on it."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     normkit.convert(model, fuse_activation=True)
     model(torch.randn(4, 3, 6, 6))                 # running statistics away from 0 / 1
     model.eval()
@@ -138,6 +139,12 @@ def test_fold_keeps_the_activation():
         want = model(x)
         folded = normkit.fold(model).model
         torch.testing.assert_close(folded(x), want, rtol=1e-5, atol=1e-5)
+    return x, want, folded
+
+
+def test_fold_keeps_the_activation():
+    _, _, folded = _fused_then_folded(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4),
+                                                    nn.ReLU()))
     assert type(folded[1].act) is nn.ReLU          # (in the FoldedBatchNorm's input check)
 
 
@@ -160,16 +167,9 @@ def test_revert_after_fold_applies_the_activation_once(make):
     # revert gives the fused SiLU back to its module (or forward statement); the folded
     # BatchNorm stops applying it (it was applied twice: 0.21 off)
     torch.manual_seed(0)
-    model = make()
-    normkit.convert(model, fuse_activation=True)
-    model(torch.randn(4, 3, 6, 6))
-    model.eval()
-    x = torch.randn(2, 3, 6, 6)
+    x, want, folded = _fused_then_folded(make())
+    report = normkit.revert(folded)
     with torch.no_grad():
-        want = model(x)
-        folded = normkit.fold(model).model
-        torch.testing.assert_close(folded(x), want, rtol=1e-5, atol=1e-5)
-        report = normkit.revert(folded)
         torch.testing.assert_close(folded(x), want, rtol=1e-5, atol=1e-5)
     assert any("given back" in why for _, _, why in report.activations_fused)
     assert not [m for m in folded.modules() if isinstance(m, (nknn.BatchNorm2d,
