@@ -352,7 +352,8 @@ def test_normalize_rejects_bad_dims(dims, err, text):
 def test_normalize_takes_dims_as_any_ints():
     x = torch.randn(2, 3, 4)
     want = NF.normalize(x, (0, 2))
-    for dims in ({0, 2}, [2, 0], (0, -1), range(0, 3, 2), (np.int64(0), torch.tensor(2))):
+    for dims in ({0, 2}, [2, 0], (0, -1), range(0, 3, 2), (np.int64(0), torch.tensor(2)),
+                 np.array([0, 2]), torch.tensor([0, 2])):
         assert_close(NF.normalize(x, dims), want)
     assert_close(NF.normalize(x, np.int64(1)), NF.normalize(x, 1))
 

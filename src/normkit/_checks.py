@@ -69,14 +69,19 @@ def _momentum(op, momentum, allowed="a number") -> float:
 def _dims(op, dims, nd) -> tuple:
     """``dims`` (an int, or an iterable of ints) as a tuple of dims of an ``nd``-D input,
     each named once; a TypeError or ValueError with the values and the fix otherwise."""
+    def index(d):
+        return operator.index(d) if not isinstance(d, bool) else None
+
     try:
-        items = [dims] if hasattr(type(dims), "__index__") else list(dims)
+        out = (index(dims),)                       # one int (a NumPy or 0-d tensor int too)
     except TypeError:
-        items = [dims]
-    if not all(hasattr(type(d), "__index__") and not isinstance(d, bool) for d in items):
+        try:
+            out = tuple(index(d) for d in dims)    # a sequence, set, range, array, tensor
+        except TypeError:
+            out = (None,)
+    if None in out:
         raise TypeError(f"{op}: dims must be an int or a sequence of ints, got {dims!r}; "
                         f"pass e.g. dims=(0, 2, 3)")
-    out = tuple(operator.index(d) for d in items)
     if not out or any(not -nd <= d < nd for d in out):
         raise ValueError(f"{op}: dims must be a non-empty set of dims of a {nd}D input "
                          f"(between {-nd} and {nd - 1}), got {out}")
