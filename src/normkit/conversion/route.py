@@ -163,12 +163,20 @@ _LAYOUTS = {"channels_first": (_channels_first_forward, ((2, -1, 3, 5), (2, -1, 
             "channels_last": (_channels_last_forward, ((2, 3, 5, -1), (2, 5, -1)))}
 
 
+def _probe_input(module, shape, c, gen, dtype=None):
+    """A random input of ``shape`` (-1: the ``c`` channels) on the device of the probe
+    parameters swapped into ``module``, in ``dtype`` (None: theirs)."""
+    x = torch.randn([c if s == -1 else s for s in shape], generator=gen)
+    like = next((p for p in module._parameters.values() if p is not None), None)
+    if like is None:
+        return x if dtype is None else x.to(dtype)
+    return x.to(like.device, dtype or like.dtype)
+
+
 def _agrees(module, forward, shape, c, gen):
     """Whether ``forward`` equals ``module.forward`` on a probe input of ``shape`` (None
     where ``module.forward`` refuses that shape)."""
-    x = torch.randn([c if s == -1 else s for s in shape], generator=gen)
-    like = next((p for p in module._parameters.values() if p is not None), None)
-    x = (x if like is None else x.to(like)) * 2 + 0.5   # the probe params' dtype, device
+    x = _probe_input(module, shape, c, gen) * 2 + 0.5
     try:
         want = module.forward(x)
     except (RuntimeError, ValueError, TypeError, IndexError):
@@ -183,9 +191,7 @@ def _keeps_dtype(module, forward, shape, c, gen):
     """Whether ``forward`` returns ``module.forward``'s dtype for a bf16 input on fp32
     parameters (a class that writes the formula out promotes to its weight's fp32, where
     ``layer_norm`` keeps the input's bf16)."""
-    x = torch.randn([c if s == -1 else s for s in shape], generator=gen).to(torch.bfloat16)
-    like = next((p for p in module._parameters.values() if p is not None), None)
-    x = x if like is None else x.to(like.device)        # the probe params' device
+    x = _probe_input(module, shape, c, gen, torch.bfloat16)
     try:
         want = module.forward(x)
     except (RuntimeError, ValueError, TypeError, IndexError):
