@@ -17,9 +17,12 @@ import normkit.functional as nF  # noqa: E402
 from normkit.conversion import fuse  # noqa: E402
 from zoo_models import build, build_language, pixels, tokens  # noqa: E402
 
-# the norm each decoder layer fuses its (first) residual add into
-FUSED_NORM = {"llama": "post_attention_layernorm", "qwen2": "post_attention_layernorm",
-              "gemma": "post_attention_layernorm", "gemma2": "pre_feedforward_layernorm"}
+# the (first) residual add of each decoder layer and the norm it is fused into
+_LLAMA = "residual + hidden_states, then post_attention_layernorm"
+FUSED = {"llama": _LLAMA, "qwen2": _LLAMA, "gemma": _LLAMA,
+         "gemma2": "residual + hidden_states, then pre_feedforward_layernorm",
+         "phi3": "residual + self.resid_attn_dropout(hidden_states), then "
+                 "post_attention_layernorm"}
 
 
 def _run(model, ids):
@@ -40,15 +43,14 @@ class _Counted:
         return self.fn(*args, **kwargs)
 
 
-@pytest.mark.parametrize("name", sorted(FUSED_NORM))
+@pytest.mark.parametrize("name", sorted(FUSED))
 def test_fused_equals_unfused_and_the_original(name, monkeypatch):
     original, unfused, fused = (build_language(name) for _ in range(3))
     normkit.convert(unfused)
     report = normkit.convert(fused, fuse_residual=True)
     layers = fused.config.num_hidden_layers
     assert [(n, how) for n, _, how in report.fused] == [
-        (f"model.layers.{i}", f"residual + hidden_states, then {FUSED_NORM[name]} -> add_rms_norm")
-        for i in range(layers)]
+        (f"model.layers.{i}", f"{FUSED[name]} -> add_rms_norm") for i in range(layers)]
     assert f"fused {layers} residual add(s)" in str(report).splitlines()[0]
     counted = _Counted(nF.add_rms_norm)
     monkeypatch.setattr(nF, "add_rms_norm", counted)
@@ -103,15 +105,30 @@ def test_convert_twice_fuses_once_and_the_model_pickles():
 
 
 def test_a_layer_outside_the_pattern_is_left_unfused_with_the_reason():
-    model = build_language("phi3")   # residual + self.resid_attn_dropout(hidden_states)
+    import transformers
+
+    # GPT-2's block: an optional cross-attention sits between the add and ln_2
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64))
     report = normkit.convert(model, fuse_residual=True)
     assert report.fused == [] and len(report.swapped) == 5
     reasons = dict((n, why) for n, _, why in report.unfused)
-    assert reasons["model.layers.0"] == (
-        "before post_attention_layernorm, `hidden_states = residual + "
-        "self.resid_attn_dropout(hidden_states)` is not an add of two names")
-    assert "no residual add directly before a norm call" in reasons["model"]
+    assert reasons["transformer.h.0"].startswith("no residual add directly before a norm call")
     assert not any(fuse.is_fused(m) for m in model.modules())
+
+    class AddsAConstant(nn.Module):                  # never a tensor: nothing to fuse
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(4)
+
+        def forward(self, h):
+            h = h + 1.0
+            h = self.norm(h)
+            return h
+
+    report = normkit.convert(AddsAConstant(), fuse_residual=True)
+    assert report.fused == []
+    assert report.unfused[0][2] == "before norm, `h = h + 1.0` adds a constant"
 
 
 @pytest.mark.parametrize("one_pass", [False, True])
@@ -191,6 +208,45 @@ def test_layer_norm_blocks_fuse_into_add_layer_norm():
     assert torch.equal(xa.grad, xb.grad)
     for (n, pa), (_, pb) in zip(plain.named_parameters(), fused.named_parameters()):
         assert torch.equal(pa.grad, pb.grad), n
+
+
+class DropoutBlock(nn.Module):     # operands that are calls, dropouts in training mode
+    def __init__(self, width=24):
+        super().__init__()
+        self.attn, self.drop = nn.Linear(width, width), nn.Dropout(0.3)
+        self.ln, self.post = nn.LayerNorm(width), nn.LayerNorm(width)
+
+    def forward(self, x):
+        residual = x
+        h = residual + self.drop(self.attn(x))                   # Phi-3's pre-norm add
+        residual = h
+        h = self.ln(h)
+        return self.post(self.drop(h) + self.drop(residual))     # two draws, in order
+
+
+def test_adds_of_expressions_fuse_and_evaluate_them_once_in_order(monkeypatch):
+    """The operands are the call's arguments, evaluated once each, left first, as by the
+    add: the dropouts draw the same numbers (swapped, the outputs would differ)."""
+    torch.manual_seed(0)
+    plain = DropoutBlock()
+    fused = copy.deepcopy(plain)
+    normkit.convert(plain)
+    report = normkit.convert(fused, fuse_residual=True)
+    assert [how for _, _, how in report.fused] == [
+        "residual + self.drop(self.attn(x)), then ln -> add_layer_norm",
+        "self.drop(h) + self.drop(residual), then post -> add_layer_norm"]
+    counted = _Counted(nF.add_layer_norm)
+    monkeypatch.setattr(nF, "add_layer_norm", counted)
+    x = torch.randn(3, 7, 24)
+    results = []
+    for model in (plain, fused):
+        torch.manual_seed(1)
+        xx = x.clone().requires_grad_()
+        y = model(xx)
+        y.backward(torch.ones_like(y))
+        results.append([y, xx.grad] + [p.grad for p in model.parameters()])
+    assert counted.calls == 2
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def _bert():

@@ -12,15 +12,20 @@ adds a branch to the residual stream and normalizes the sum at once::
 written once and read no extra time; ``h = a + b`` then the norm elsewhere).
 
 The patterns are found in the *source* of the module's ``forward``, in any block of the
-function, names only, ``N`` a child that ``convert`` made a normkit ``RMSNorm`` or
-``LayerNorm``:
+function, ``H``, ``R``, ``Y`` names, ``A`` and ``B`` any expressions but constants, ``N`` a
+child that ``convert`` made a normkit ``RMSNorm`` or ``LayerNorm``:
 
 * ``H = A + B``, any number of copies ``R = H``, then ``Y = self.N(H)`` (pre-norm: the
-  Llama layer above, ViT's ``layernorm_after``; BERT's embeddings): the add becomes
-  ``_normkit_y, H = self._normkit_add_norm(self.N, A, B)``, the copies stay, the norm
-  call becomes ``Y = _normkit_y``;
+  Llama layer above, ViT's ``layernorm_after``; BERT's embeddings; Phi-3's ``residual +
+  self.resid_attn_dropout(hidden_states)``): the add becomes ``_normkit_y, H =
+  self._normkit_add_norm(self.N, A, B)``, the copies stay, the norm call becomes ``Y =
+  _normkit_y``;
 * ``self.N(A + B)`` anywhere in an expression (post-norm: BERT's ``self.LayerNorm(
   hidden_states + input_tensor)``) becomes ``self._normkit_add_norm(self.N, A, B)[0]``.
+
+``A`` and ``B`` are evaluated once each, left first, as by the add: a call's arguments
+are evaluated in order (a dropout in ``B`` draws the same numbers). Only the lookup of
+``self.N`` moves before them.
 
 The rest of the function is the same syntax tree, compiled with the original file name,
 line numbers and globals (read, never written). Decorators that keep the function in
@@ -143,12 +148,20 @@ def _blocks(node):
                     yield from _blocks(child)
 
 
-def _add_of_names(value):
-    """``(A, B)`` of ``A + B`` with two names, else None."""
+def _add_operands(value):
+    """``(A, B)`` (syntax trees) of ``A + B`` where neither is a constant (which is never
+    a tensor: such an add would always take the unfused code), else None."""
     if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and \
-            _name(value.left) and _name(value.right):
-        return value.left.id, value.right.id
+            not isinstance(value.left, ast.Constant) and \
+            not isinstance(value.right, ast.Constant):
+        return value.left, value.right
     return None
+
+
+def _shown(a, b):
+    """``A + B`` as the report shows a site."""
+    text = f"{ast.unparse(a)} + {ast.unparse(b)}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _first_line(stmt):
@@ -159,7 +172,7 @@ def _first_line(stmt):
 def _windows(fn_def, norms):
     """``(block, i, j, hidden, a, b, y, attr)`` of each ``H = A + B; R = H ...; Y =
     self.N(H)`` (statements i..j, any number of copies ``R = H`` between) with ``N`` in
-    ``norms``, and the reasons for the adds of other operands before such a call."""
+    ``norms``, and the reasons for the adds of a constant before such a call."""
     self_name = (fn_def.args.posonlyargs + fn_def.args.args)[0].arg
     found, misses = [], []
     for block in _blocks(fn_def):
@@ -175,20 +188,19 @@ def _windows(fn_def, norms):
             target = _norm_call(call[1], self_name) if call else None
             if not (target and target[1] == hidden and target[0] in norms):
                 continue
-            operands = _add_of_names(add[1])
+            operands = _add_operands(add[1])
             if operands is None:
-                misses.append(f"before {target[0]}, `{_first_line(stmt)}` is not an add of "
-                              f"two names")
+                misses.append(f"before {target[0]}, `{_first_line(stmt)}` adds a constant")
                 continue
             found.append((block, i, j, hidden, *operands, call[0], target[0]))
     return found, misses
 
 
 def _helper_call(self_name, attr, a, b):
-    """``self._normkit_add_norm(self.N, A, B)``."""
+    """``self._normkit_add_norm(self.N, A, B)``, ``A`` and ``B`` the add's operands."""
     return ast.Call(ast.Attribute(ast.Name(self_name, ast.Load()), _HELPER, ast.Load()),
-                    [ast.Attribute(ast.Name(self_name, ast.Load()), attr, ast.Load()),
-                     ast.Name(a, ast.Load()), ast.Name(b, ast.Load())], [])
+                    [ast.Attribute(ast.Name(self_name, ast.Load()), attr, ast.Load()), a, b],
+                    [])
 
 
 def _rewrite(found, self_name):
@@ -214,9 +226,9 @@ class _PostNorm(ast.NodeTransformer):
         self.generic_visit(node)
         if isinstance(node.func, ast.Attribute) and _name(node.func.value) == self.self_name \
                 and node.func.attr in self.norms and len(node.args) == 1 and \
-                not node.keywords and _add_of_names(node.args[0]):
-            a, b = _add_of_names(node.args[0])
-            self.sites.append((node.lineno, f"{a} + {b}", node.func.attr))
+                not node.keywords and _add_operands(node.args[0]):
+            a, b = _add_operands(node.args[0])
+            self.sites.append((node.lineno, _shown(a, b), node.func.attr))
             call = _helper_call(self.self_name, node.func.attr, a, b)
             return ast.copy_location(ast.Subscript(call, ast.Constant(0), ast.Load()), node)
         return node
@@ -281,7 +293,7 @@ def _residual_rewrite(norms):
     sites ``("a + b", norm attribute)`` in source order."""
     def rewrite(fn_def, self_name):
         found, misses = _windows(fn_def, norms)
-        sites = [(block[i].lineno, f"{a} + {b}", attr)
+        sites = [(block[i].lineno, _shown(a, b), attr)
                  for block, i, _, _, a, b, _, attr in found]
         _rewrite(found, self_name)
         post = _PostNorm(self_name, norms)
