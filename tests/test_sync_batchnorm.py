@@ -435,3 +435,18 @@ def test_convert_sync_batchnorm_keeps_a_fused_activation(act):
     normkit.revert(model)
     assert [type(m) for m in model] == [tnn.Conv2d, tnn.SyncBatchNorm, type(act)]
     _close(model(x), untouched(x), torch.float64, "reverted")
+
+
+def test_the_ddp_example_trains_and_keeps_the_ranks_equal():
+    """``examples/ddp_cpu.py`` (README, docs/distributed.md) runs as written: 2 processes,
+    gloo, DDP + SyncBatchNorm; the running statistics equal on every rank."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "ddp_cpu.py"
+    out = subprocess.run([sys.executable, str(script), "--steps", "5"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.endswith("running statistics identical on all ranks: True"), out.stdout
