@@ -26,6 +26,18 @@ def test_fast_slice_model_neither_breaks_nor_differs(model_type):
         assert not step["different"], (mode, step)
 
 
+@pytest.mark.parametrize("model_type,adds,activations", [("llama", 2, 0), ("resnet", 0, 9)])
+def test_fused_conversion_neither_breaks_nor_differs(model_type, adds, activations):
+    """``--fuse``: converted with fuse_residual and fuse_activation, judged the same way."""
+    record = sweep.run_model(model_type, CLASSES[model_type], fuse=True)
+    assert record["status"] == "tested", record
+    assert (record["fused_adds"], record["fused_activations"]) == (adds, activations)
+    for mode in ("eval", "train"):
+        step = record["steps"][mode]
+        assert "broken" not in step and step["different"] is False, (mode, step)
+    assert "fused_adds" not in sweep.run_model(model_type, CLASSES[model_type])
+
+
 def test_different_is_materially_worse_than_the_untouched_error():
     assert not sweep.different(2e-6, 1e-6)       # rounding in another order
     assert not sweep.different(5e-7, 0.0)        # within the floor
@@ -43,6 +55,10 @@ def test_command_writes_resumable_records_and_summarizes(tmp_path, capsys):
     assert "broken: 0" in printed and "different: 0" in printed and "(100.00 %)" in printed
     sweep.main(["olmo", "--out", str(out)])                  # resumed: nothing runs again
     assert len(out.read_text().splitlines()) == 1
+    capsys.readouterr()
+    sweep.main(["llama", "--fuse", "--out", str(tmp_path / "fused.jsonl")])
+    assert "fused: 2 residual adds, 0 BatchNorm activations, in 1 models" in \
+        capsys.readouterr().out
     with pytest.raises(SystemExit):
         sweep.main(["no_such_model", "--out", str(out)])
 

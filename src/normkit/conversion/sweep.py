@@ -39,6 +39,12 @@ parametrizations: ``convert``'s norm-like) and how many of them run on normkit a
 ``convert`` finds to normalize nothing (each output element depends on its own input
 element only: MobileBERT's ``NoNorm``, ``x * w + b``) is counted apart, not as a norm.
 
+With ``--fuse`` the converted copy is made with ``convert(model, fuse_residual=True,
+fuse_activation=True)`` and judged the same way; each record counts its fused residual adds
+(``fused_adds``) and BatchNorm activations (``fused_activations``), and the summary their
+totals. Its default output is ``convert-sweep-fused.jsonl`` (``convert-sweep-fused-timm.jsonl``
+for timm).
+
 Each model runs in a forked child process (one crash or hang costs one model; ``--timeout``
 seconds each), ``--jobs`` at a time. Results are appended to a JSON-lines file as they
 come (``--out``), so a run that is stopped resumes where it was (``--fresh`` starts over);
@@ -192,8 +198,9 @@ def _timm_model(name, _class_name, _record):
     return untouched, kwargs
 
 
-def run_model(model_type, class_name):
-    """The sweep's record of one model (a dict; see the module docstring)."""
+def run_model(model_type, class_name, fuse=False):
+    """The sweep's record of one model (a dict; see the module docstring); ``fuse``:
+    converted with ``fuse_residual`` and ``fuse_activation``."""
     import normkit
     from normkit.conversion import NO_NORMALIZATION
     from normkit.conversion.classes import qualified
@@ -206,8 +213,11 @@ def run_model(model_type, class_name):
         return dict(record, status=err.args[0], error=err.args[1])
     converted = copy.deepcopy(untouched)
     norms = _norm_modules(untouched)
-    report = normkit.convert(converted)
+    report = normkit.convert(converted, fuse_residual=fuse, fuse_activation=fuse)
     converted = report.model
+    if fuse:
+        record.update(fused_adds=len(report.fused),
+                      fused_activations=len(report.activations_fused))
     reasons = {n: why for n, _, why in report.left}
     # named like a norm, but normalizing nothing (MobileBERT's NoNorm): counted apart
     no_norm = {n for n, why in reasons.items() if NO_NORMALIZATION in why and n in norms}
@@ -255,10 +265,10 @@ def run_model(model_type, class_name):
     return record
 
 
-def _child(model_type, class_name, conn):
+def _child(model_type, class_name, fuse, conn):
     torch.set_num_threads(1)
     try:
-        conn.send(run_model(model_type, class_name))
+        conn.send(run_model(model_type, class_name, fuse))
     except Exception as err:  # noqa: BLE001
         conn.send({"model": model_type, "class": class_name, "status": "sweep error",
                    "error": f"{type(err).__name__}: {err}"[:300]})
@@ -287,7 +297,7 @@ def _warm(todo):
             layer.to(dtype)(x).sum().backward()
 
 
-def _run_all(todo, out, jobs, timeout, time_limit):
+def _run_all(todo, out, jobs, timeout, time_limit, fuse=False):
     ctx = multiprocessing.get_context("fork")
     _warm(todo)
     start, running = time.monotonic(), []
@@ -297,7 +307,7 @@ def _run_all(todo, out, jobs, timeout, time_limit):
             while todo and len(running) < jobs and time.monotonic() - start < time_limit:
                 model_type, class_name = todo.pop(0)
                 parent, child = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_child, args=(model_type, class_name, child))
+                p = ctx.Process(target=_child, args=(model_type, class_name, fuse, child))
                 p.start()
                 child.close()
                 running.append((p, parent, model_type, class_name, time.monotonic()))
@@ -342,9 +352,13 @@ def summarize(records) -> dict:
     on = sum(r.get("on_normkit", 0) for r in tested)
     left = Counter(c for r in tested for _, c, _ in r.get("left", []))
     no_norm = sum(len(r.get("no_normalization", [])) for r in tested)
+    fused = {key: sum(r.get(key, 0) for r in tested) for key in ("fused_adds",
+                                                                   "fused_activations")}
     return dict(models=len(records), tested=len(tested), broken=broken, different=diff,
                 steps_judged=judged, norm_modules=norms, on_normkit=on,
-                no_normalization=no_norm,
+                no_normalization=no_norm, **fused,
+                models_fused=sum(1 for r in tested if r.get("fused_adds") or
+                                 r.get("fused_activations")),
                 share=on / norms if norms else 1.0, left=dict(left.most_common()),
                 not_tested=dict(Counter(r.get("status") for r in records
                                         if r.get("status") != "tested")))
@@ -359,6 +373,9 @@ def _print_summary(s, records):
     print(f"norm modules: {s['norm_modules']}, on normkit {s['on_normkit']} "
           f"({100 * s['share']:.2f} %); named like a norm but normalizing nothing, counted "
           f"apart: {s['no_normalization']}")
+    if any("fused_adds" in r for r in records):
+        print(f"fused: {s['fused_adds']} residual adds, {s['fused_activations']} BatchNorm "
+              f"activations, in {s['models_fused']} models")
     reasons = {c: why for r in records for _, c, why in r.get("left", [])}
     for cls, count in s["left"].items():
         print(f"  left {count:4d} {cls}: {reasons.get(cls, '')}")
@@ -393,9 +410,13 @@ def main(argv=None):
     parser.add_argument("--time-limit", type=float, default=float("inf"),
                         help="start no model after this many seconds")
     parser.add_argument("--summary", action="store_true", help="only print the summary")
+    parser.add_argument("--fuse", action="store_true",
+                        help="convert with fuse_residual and fuse_activation "
+                             "(convert-sweep-fused.jsonl)")
     args = parser.parse_args(argv)
     timm = args.zoo == "timm"
-    args.out = args.out or ("convert-sweep-timm.jsonl" if timm else "convert-sweep.jsonl")
+    args.out = args.out or ("convert-sweep" + ("-fused" if args.fuse else "") +
+                            ("-timm" if timm else "") + ".jsonl")
     if timm:
         import timm as _  # noqa: F401 -- imported once, before the children fork
 
@@ -421,7 +442,7 @@ def main(argv=None):
     if not args.summary:
         done = _read(args.out)
         _run_all([m for m in everything if m[0] not in done], args.out, args.jobs,
-                 args.timeout, args.time_limit)
+                 args.timeout, args.time_limit, args.fuse)
     records = [r for t, r in _read(args.out).items() if t in {m for m, _ in everything}]
     _print_summary(summarize(records), records)
 
