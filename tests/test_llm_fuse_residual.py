@@ -323,8 +323,9 @@ def test_reasons_for_forwards_that_cannot_be_rewritten():
         normkit.convert(model, fuse_residual=1)
 
 
-def test_fused_llama_compiles_fullgraph_without_graph_breaks():
-    model = build_language("llama").eval()
+@pytest.mark.parametrize("name", ["llama", "phi3"])   # (phi3: a dropout call as an operand)
+def test_fused_llama_compiles_fullgraph_without_graph_breaks(name):
+    model = build_language(name).eval()
     normkit.convert(model, fuse_residual=True)
     ids = tokens()
     compiled = torch.compile(model, fullgraph=True, backend="eager")
