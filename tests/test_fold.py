@@ -257,6 +257,48 @@ def test_shared_layers_subclass_hooks_tied_weights_and_unused_are_left():
     assert [b for b, _, _ in report.folded] == ["bn1"]
 
 
+def test_a_producer_subclass_folds_where_it_keeps_torchs_forward():
+    """A Conv2d subclass that only sets arguments (transformers' EfficientNet depthwise
+    convolution) computes Conv2d: it folds. One with its own forward (here: weight
+    standardization) may compute anything else: its BatchNorm is left."""
+    class Depthwise(nn.Conv2d):
+        def __init__(self, channels):
+            super().__init__(channels, channels, 3, padding=1, groups=channels)
+
+    class Standardized(nn.Conv2d):
+        def forward(self, x):
+            w = (self.weight - self.weight.mean((1, 2, 3), keepdim=True))
+            return self._conv_forward(x, w, self.bias)
+
+    class OwnConv(nn.Conv2d):             # torch's forward, its own _conv_forward
+        def _conv_forward(self, x, weight, bias):
+            return super()._conv_forward(x, weight * 2, bias)
+
+    model = _randomize(nn.Sequential(Depthwise(3), nn.BatchNorm2d(3), Standardized(3, 3, 1),
+                                     nn.BatchNorm2d(3), OwnConv(3, 3, 1),
+                                     nn.BatchNorm2d(3))).eval()
+    x = torch.randn(2, 3, 6, 6)
+    report = normkit.fold(model)
+    assert report.folded == [("1", "0", "Depthwise")]
+    why = {name: reason for name, _, reason in report.left}
+    assert why.keys() == {"3", "5"} and "not straight from a Conv" in why["3"]
+    with torch.no_grad():
+        _close(report.model(x), model(x), 1e-5)
+
+
+def test_transformers_efficientnet_depthwise_batch_norms_fold():
+    from zoo_models import build, pixels
+
+    model = _randomize(build("efficientnet")).eval()
+    with torch.no_grad():
+        expected = model(pixel_values=pixels()).last_hidden_state
+        report = normkit.fold(model)
+        got = report.model(pixel_values=pixels()).last_hidden_state
+    depthwise = [b for b, _, kind in report.folded if kind == "EfficientNetDepthwiseConv2d"]
+    assert len(depthwise) == 7 and len(report.folded) == 21, str(report)
+    _close(got, expected, 1e-5)
+
+
 def test_producer_of_another_dimensionality_is_refused():
     # Conv1d (N, 4, L) feeding a BatchNorm1d(4) folds; a Conv2d feeding a BatchNorm1d does not
     model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.BatchNorm1d(4)).eval()

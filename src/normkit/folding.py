@@ -79,6 +79,18 @@ _PRODUCERS = {nn.Linear: 1, nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3,
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
+def _producer_kind(module):
+    """The producer type of ``_PRODUCERS`` that ``module`` computes: its own type, or the
+    one it subclasses keeping that type's ``forward`` (and a convolution's
+    ``_conv_forward``), as transformers' ``EfficientNetDepthwiseConv2d`` does; else None."""
+    for kind in type(module).__mro__:
+        if kind in _PRODUCERS:
+            same = all(getattr(type(module), method, None) is getattr(kind, method, None)
+                       for method in ("forward", "_conv_forward"))
+            return kind if same else None
+    return None
+
+
 def _is_batch_norm(module) -> bool:
     return isinstance(module, (nn.modules.batchnorm._BatchNorm, nknn.batchnorm._BatchNorm))
 
@@ -97,7 +109,8 @@ def _type_name(module) -> str:
 class _PiecewiseTracer(fx.Tracer):
     """An fx tracer that keeps going past modules it cannot trace.
 
-    torch.nn and normkit layers are leaves. When a submodule's forward raises during
+    torch.nn and normkit layers are leaves, and so are subclasses of a producer that
+    compute it (``_producer_kind``). When a submodule's forward raises during
     tracing, the nodes it recorded are erased and the call is recorded as one opaque
     ``call_module`` node instead; the module is listed in ``opaque`` so that its children
     can be traced on their own.
@@ -111,6 +124,7 @@ class _PiecewiseTracer(fx.Tracer):
 
     def is_leaf_module(self, m, module_qualified_name) -> bool:
         return (m in self._forced_leaves or type(m).__module__.startswith("normkit.")
+                or _producer_kind(m) is not None
                 or super().is_leaf_module(m, module_qualified_name))
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
@@ -208,13 +222,13 @@ def _why_not(bn, bn_node, root, prefix, calls, paths, tensors_read) -> tuple:
     if not isinstance(source, fx.Node) or source.op == "placeholder":
         where = f"the input of {prefix!r}" if prefix else "the model's input"
         return None, None, f"no producer: it normalizes {where}, not a layer's output"
-    if source.op != "call_module" or type(root.get_submodule(source.target)) not in _PRODUCERS:
+    if source.op != "call_module" or _producer_kind(root.get_submodule(source.target)) is None:
         return None, None, (f"its input comes from {_describe(source, root)}, not straight from "
                             f"a Conv1d/2d/3d, ConvTranspose1d/2d/3d or Linear")
     producer = root.get_submodule(source.target)
     name = _join(prefix, source.target)
     kind = type(producer).__name__
-    if _PRODUCERS[type(producer)] != _FOLDABLE[type(bn)]:
+    if _PRODUCERS[_producer_kind(producer)] != _FOLDABLE[type(bn)]:
         return None, None, (f"its producer {name!r} is a {kind}, which does not feed a "
                             f"{type(bn).__name__}")
     channels = producer.out_features if isinstance(producer, nn.Linear) else producer.out_channels
@@ -363,7 +377,8 @@ def fold(model: nn.Module, *, inplace: bool = False) -> FoldReport:
     r"""Fold every eval-mode BatchNorm1d/2d/3d into the Conv or Linear layer that feeds it.
 
     For a BatchNorm whose input is the output of a ``Conv1d/2d/3d``, ``ConvTranspose1d/2d/3d``
-    or ``Linear`` used nowhere else, the producer's weight and bias become
+    or ``Linear`` (or a subclass keeping its ``forward``) used nowhere else, the producer's
+    weight and bias become
 
     .. math:: W' = W \frac{\gamma}{\sqrt{\sigma^2 + \epsilon}}, \qquad
               b' = (b - \mu) \frac{\gamma}{\sqrt{\sigma^2 + \epsilon}} + \beta
