@@ -299,6 +299,54 @@ def test_transformers_efficientnet_depthwise_batch_norms_fold():
     _close(got, expected, 1e-5)
 
 
+class _LinearNorm(nn.Module):     # LeViT's: BatchNorm1d over the rows of a Linear's output
+    def __init__(self, flat=(0, 1), reuse=False):
+        super().__init__()
+        self.linear, self.bn = nn.Linear(4, 6), nn.BatchNorm1d(6)
+        self.flat, self.reuse = flat, reuse
+
+    def forward(self, x):
+        h = self.linear(x)
+        y = self.bn(h.flatten(*self.flat)).reshape_as(h)
+        return y + h if self.reuse else y
+
+
+@pytest.mark.parametrize("flat", [(0, 1), (0, -2)])
+def test_a_linear_folds_through_a_flatten_of_its_leading_dims(flat):
+    model = _randomize(_LinearNorm(flat)).eval()
+    x = torch.randn(2, 5, 4)
+    report = normkit.fold(model)
+    assert report.folded == [("bn", "linear", "Linear")], str(report)
+    with torch.no_grad():
+        _close(report.model(x), model(x), 1e-5)
+    x4 = torch.randn(2, 5, 3, 4)
+    if flat == (0, -2):                        # (N, L, K, C) -> rows of C: still the fold
+        with torch.no_grad():
+            _close(report.model(x4), model(x4), 1e-5)
+    else:                                      # (N * L, K, C): not rows of C
+        with pytest.raises(ValueError, match="BatchNorm1d"):
+            report.model(x4)
+
+
+def test_a_flatten_that_is_not_of_the_leading_dims_or_a_reused_output_is_left():
+    for model, reason in ((_LinearNorm((1, 2)), "not straight from"),
+                          (_LinearNorm(reuse=True), "also used by")):
+        report = normkit.fold(_randomize(model).eval())
+        assert report.folded == [] and reason in report.left[0][2], str(report)
+
+
+def test_transformers_levit_every_batch_norm_folds():
+    from zoo_models import build, pixels
+
+    model = _randomize(build("levit")).eval()
+    with torch.no_grad():
+        expected = model(pixel_values=pixels()).last_hidden_state
+        report = normkit.fold(model)
+        got = report.model(pixel_values=pixels()).last_hidden_state
+    assert len(report.folded) == 26 and report.left == [], str(report)
+    _close(got, expected, 1e-5)
+
+
 def test_producer_of_another_dimensionality_is_refused():
     # Conv1d (N, 4, L) feeding a BatchNorm1d(4) folds; a Conv2d feeding a BatchNorm1d does not
     model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.BatchNorm1d(4)).eval()

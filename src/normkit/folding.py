@@ -208,6 +208,29 @@ def _describe(node, root) -> str:
     return f"{target!r}"
 
 
+def _leading_flatten(node) -> bool:
+    """``node`` is ``h.flatten(0, 1)`` or ``h.flatten(0, -2)`` (``torch.flatten`` too): the
+    rows of a Linear's ``(N, L, C)`` output as ``(N * L, C)``, its last dim kept, which a
+    BatchNorm1d (LeViT's ``LinearNorm``) then normalizes per channel."""
+    if not ((node.op == "call_method" and node.target == "flatten") or
+            (node.op == "call_function" and node.target is torch.flatten)):
+        return False
+    dims = tuple(node.args[1:]) + tuple(node.kwargs[k] for k in ("start_dim", "end_dim")
+                                        if k in node.kwargs)
+    return dims in ((0, 1), (0, -2))
+
+
+def _shape_only(node, of) -> bool:
+    """``node`` reads only the shape of ``of`` (``y.reshape_as(of)``, ``of.size()``, ...),
+    which a fold leaves as it is."""
+    if node.op == "call_method" and node.target in ("reshape_as", "view_as", "expand_as"):
+        return len(node.args) == 2 and node.args[1] is of and node.args[0] is not of
+    if node.op == "call_method" and node.target in ("size", "dim"):
+        return True
+    return node.op == "call_function" and node.target is getattr and \
+        node.args[1:] in (("shape",), ("ndim",))
+
+
 def _why_not(bn, bn_node, root, prefix, calls, paths, tensors_read) -> tuple:
     """``(producer, producer name, None)`` when ``bn`` folds, else ``(None, None, reason)``."""
     if bn.training:
@@ -219,6 +242,11 @@ def _why_not(bn, bn_node, root, prefix, calls, paths, tensors_read) -> tuple:
     if calls[bn] > 1:
         return None, None, f"called {calls[bn]} times in the forward (one layer, several uses)"
     source = bn_node.args[0] if bn_node.args else bn_node.kwargs.get("input")
+    user = bn_node                                  # the node that reads the producer
+    if isinstance(source, fx.Node) and _leading_flatten(source) and len(source.users) == 1 \
+            and isinstance(source.args[0], fx.Node) and source.args[0].op == "call_module" \
+            and _producer_kind(root.get_submodule(source.args[0].target)) is nn.Linear:
+        user, source = source, source.args[0]
     if not isinstance(source, fx.Node) or source.op == "placeholder":
         where = f"the input of {prefix!r}" if prefix else "the model's input"
         return None, None, f"no producer: it normalizes {where}, not a layer's output"
@@ -235,7 +263,7 @@ def _why_not(bn, bn_node, root, prefix, calls, paths, tensors_read) -> tuple:
     if channels != bn.num_features:
         return None, None, (f"its producer {name!r} has {channels} output channels but the "
                             f"BatchNorm has num_features={bn.num_features}")
-    others = [u for u in source.users if u is not bn_node]
+    others = [u for u in source.users if u is not user and not _shape_only(u, source)]
     if others:
         used = ", ".join(_describe(u, root) for u in others)
         return None, None, f"the output of its producer {name!r} ({kind}) is also used by {used}"
@@ -377,8 +405,8 @@ def fold(model: nn.Module, *, inplace: bool = False) -> FoldReport:
     r"""Fold every eval-mode BatchNorm1d/2d/3d into the Conv or Linear layer that feeds it.
 
     For a BatchNorm whose input is the output of a ``Conv1d/2d/3d``, ``ConvTranspose1d/2d/3d``
-    or ``Linear`` (or a subclass keeping its ``forward``) used nowhere else, the producer's
-    weight and bias become
+    or ``Linear`` (or a subclass keeping its ``forward``) used nowhere else (but for its
+    shape; a Linear's also through ``flatten(0, 1)``), the producer's weight and bias become
 
     .. math:: W' = W \frac{\gamma}{\sqrt{\sigma^2 + \epsilon}}, \qquad
               b' = (b - \mu) \frac{\gamma}{\sqrt{\sigma^2 + \epsilon}} + \beta
