@@ -109,7 +109,7 @@ def _type_name(module) -> str:
 class _PiecewiseTracer(fx.Tracer):
     """An fx tracer that keeps going past modules it cannot trace.
 
-    torch.nn and normkit layers are leaves, and so are subclasses of a producer that
+    torch.nn and normkit layers (``_normkit_layer``) are leaves, and so are subclasses of a producer that
     compute it (``_producer_kind``). When a submodule's forward raises during
     tracing, the nodes it recorded are erased and the call is recorded as one opaque
     ``call_module`` node instead; the module is listed in ``opaque`` so that its children
@@ -123,8 +123,7 @@ class _PiecewiseTracer(fx.Tracer):
         self._proxy_cache: dict = {}
 
     def is_leaf_module(self, m, module_qualified_name) -> bool:
-        return (m in self._forced_leaves or type(m).__module__.startswith("normkit.")
-                or _producer_kind(m) is not None
+        return (m in self._forced_leaves or _normkit_layer(m) or _producer_kind(m) is not None
                 or super().is_leaf_module(m, module_qualified_name))
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
@@ -158,6 +157,13 @@ class _PiecewiseTracer(fx.Tracer):
             del self._proxy_cache[key]
         while len(self.module_stack) > depth:
             self.module_stack.popitem(last=True)
+
+
+def _normkit_layer(module) -> bool:
+    """A layer of normkit's own; not a class ``convert`` derived from a model's class (a
+    routed module, or one whose forward it rewrote: traced through like its source)."""
+    kind = type(module)
+    return kind.__module__.startswith("normkit.") and "_normkit_remake" not in vars(kind)
 
 
 def _first_line(err) -> str:
