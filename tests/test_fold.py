@@ -286,6 +286,27 @@ def test_a_producer_subclass_folds_where_it_keeps_torchs_forward():
         _close(report.model(x), model(x), 1e-5)
 
 
+def test_a_parametrized_producer_is_left_until_its_parametrization_is_removed():
+    """weight_norm's Conv2d is a torch subclass with torch's forward, but its weight is
+    computed at each call: a fold that wrote it would change nothing (0.08 off)."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    model = _randomize(nn.Sequential(parametrizations.weight_norm(nn.Conv2d(3, 4, 3)),
+                                     nn.BatchNorm2d(4), nn.Flatten(),
+                                     parametrizations.weight_norm(nn.Linear(4, 5)),
+                                     nn.BatchNorm1d(5))).eval()
+    x = torch.randn(2, 3, 3, 3)
+    report = normkit.fold(model)
+    assert report.folded == [] and len(report.left) == 2
+    assert all("parametrized tensors" in why for _, _, why in report.left), str(report)
+    for i in (0, 3):
+        parametrize.remove_parametrizations(model[i], "weight")
+    report = normkit.fold(model)
+    assert [b for b, _, _ in report.folded] == ["1", "4"]
+    with torch.no_grad():
+        _close(report.model(x), model(x), 1e-5)
+
+
 def test_transformers_efficientnet_depthwise_batch_norms_fold():
     from zoo_models import build, pixels
 

@@ -35,6 +35,7 @@ except ModuleNotFoundError as error:   # (an optional dependency)
     raise needs(error, "normkit.fold") from None
 
 from torch import fx, nn
+from torch.nn.utils import parametrize
 
 import normkit.nn as nknn
 
@@ -82,7 +83,11 @@ _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 def _producer_kind(module):
     """The producer type of ``_PRODUCERS`` that ``module`` computes: its own type, or the
     one it subclasses keeping that type's ``forward`` (and a convolution's
-    ``_conv_forward``), as transformers' ``EfficientNetDepthwiseConv2d`` does; else None."""
+    ``_conv_forward``), as transformers' ``EfficientNetDepthwiseConv2d`` does; else None.
+    Not a parametrized module (``weight_norm``): its weight is computed, not a tensor the
+    fold could rewrite."""
+    if parametrize.is_parametrized(module):
+        return None
     for kind in type(module).__mro__:
         if kind in _PRODUCERS:
             same = all(getattr(type(module), method, None) is getattr(kind, method, None)
@@ -109,8 +114,8 @@ def _type_name(module) -> str:
 class _PiecewiseTracer(fx.Tracer):
     """An fx tracer that keeps going past modules it cannot trace.
 
-    torch.nn and normkit layers (``_normkit_layer``) are leaves, and so are subclasses of a producer that
-    compute it (``_producer_kind``). When a submodule's forward raises during
+    torch.nn and normkit layers (``_normkit_layer``) are leaves, and so are subclasses of
+    a producer that compute it (``_producer_kind``). When a submodule's forward raises during
     tracing, the nodes it recorded are erased and the call is recorded as one opaque
     ``call_module`` node instead; the module is listed in ``opaque`` so that its children
     can be traced on their own.
@@ -256,6 +261,13 @@ def _why_not(bn, bn_node, root, prefix, calls, paths, tensors_read) -> tuple:
     if not isinstance(source, fx.Node) or source.op == "placeholder":
         where = f"the input of {prefix!r}" if prefix else "the model's input"
         return None, None, f"no producer: it normalizes {where}, not a layer's output"
+    if source.op == "call_module" and \
+            parametrize.is_parametrized(root.get_submodule(source.target)):
+        return None, None, (
+            f"its producer {_join(prefix, source.target)!r} has parametrized tensors "
+            f"(torch.nn.utils.parametrize, e.g. weight_norm), computed at each call, which a "
+            f"fold cannot rewrite; fold after parametrize.remove_parametrizations(module, "
+            f"'weight')")
     if source.op != "call_module" or _producer_kind(root.get_submodule(source.target)) is None:
         return None, None, (f"its input comes from {_describe(source, root)}, not straight from "
                             f"a Conv1d/2d/3d, ConvTranspose1d/2d/3d or Linear")
