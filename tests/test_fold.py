@@ -299,6 +299,20 @@ def test_a_parametrized_producer_is_left_until_its_parametrization_is_removed():
     report = normkit.fold(model)
     assert report.folded == [] and len(report.left) == 2
     assert all("parametrized tensors" in why for _, _, why in report.left), str(report)
+
+    class Computed(nn.Conv2d):          # torch's forward, a weight computed by a property
+        def __init__(self):
+            super().__init__(3, 4, 3)
+            self.raw = nn.Parameter(self._parameters.pop("weight").detach())
+
+        @property
+        def weight(self):
+            return self.raw * 2
+
+    computed = _randomize(nn.Sequential(Computed(), nn.BatchNorm2d(4))).eval()
+    report = normkit.fold(computed)
+    assert report.folded == [] and "computes its weight or bias" in report.left[0][2]
+
     for i in (0, 3):
         parametrize.remove_parametrizations(model[i], "weight")
     report = normkit.fold(model)

@@ -288,6 +288,12 @@ def _why_not(bn, bn_node, root, prefix, calls, paths, tensors_read) -> tuple:
     if calls[producer] > 1:
         return None, None, (f"its producer {name!r} ({kind}) is called {calls[producer]} times "
                             f"in the forward; folding would change every call")
+    own = producer._parameters
+    if own.get("weight") is None or producer.weight is not own["weight"] or (
+            producer.bias is not None and producer.bias is not own.get("bias")):
+        return None, None, (f"its producer {name!r} ({kind}) computes its weight or bias "
+                            f"instead of holding them as its own parameters: a fold could not "
+                            f"rewrite them")
     for module, what in ((producer, f"its producer {name!r}"), (bn, "it")):
         if len(paths[module]) > 1:
             return None, None, (f"{what} is registered under several names "
