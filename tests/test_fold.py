@@ -321,14 +321,20 @@ def test_a_parametrized_producer_is_left_until_its_parametrization_is_removed():
         _close(report.model(x), model(x), 1e-5)
 
 
-def test_transformers_efficientnet_depthwise_batch_norms_fold():
+def _zoo_folded(name):
+    """The zoo model ``name`` with random statistics, folded: (report, its output, the
+    unfolded model's output)."""
     from zoo_models import build, pixels
 
-    model = _randomize(build("efficientnet")).eval()
+    model = _randomize(build(name)).eval()
     with torch.no_grad():
         expected = model(pixel_values=pixels()).last_hidden_state
         report = normkit.fold(model)
-        got = report.model(pixel_values=pixels()).last_hidden_state
+        return report, report.model(pixel_values=pixels()).last_hidden_state, expected
+
+
+def test_transformers_efficientnet_depthwise_batch_norms_fold():
+    report, got, expected = _zoo_folded("efficientnet")
     depthwise = [b for b, _, kind in report.folded if kind == "EfficientNetDepthwiseConv2d"]
     assert len(depthwise) == 7 and len(report.folded) == 21, str(report)
     _close(got, expected, 1e-5)
@@ -371,13 +377,7 @@ def test_a_flatten_that_is_not_of_the_leading_dims_or_a_reused_output_is_left():
 
 
 def test_transformers_levit_every_batch_norm_folds():
-    from zoo_models import build, pixels
-
-    model = _randomize(build("levit")).eval()
-    with torch.no_grad():
-        expected = model(pixel_values=pixels()).last_hidden_state
-        report = normkit.fold(model)
-        got = report.model(pixel_values=pixels()).last_hidden_state
+    report, got, expected = _zoo_folded("levit")
     assert len(report.folded) == 26 and report.left == [], str(report)
     _close(got, expected, 1e-5)
 
