@@ -19,6 +19,7 @@ def test_fast_slice_model_neither_breaks_nor_differs(model_type):
     record = sweep.run_model(model_type, CLASSES[model_type])
     assert record["status"] == "tested", record
     assert record["norms"] > 0 and record["on_normkit"] == record["norms"], record["left"]
+    assert record["reverted"] is True, record["reverted"]       # convert, then revert
     for mode in ("eval", "train"):
         step = record["steps"][mode]
         assert "broken" not in step, step
@@ -32,10 +33,20 @@ def test_fused_conversion_neither_breaks_nor_differs(model_type, adds, activatio
     record = sweep.run_model(model_type, CLASSES[model_type], fuse=True)
     assert record["status"] == "tested", record
     assert (record["fused_adds"], record["fused_activations"]) == (adds, activations)
+    assert record["reverted"] is True, record["reverted"]
     for mode in ("eval", "train"):
         step = record["steps"][mode]
         assert "broken" not in step and step["different"] is False, (mode, step)
     assert "fused_adds" not in sweep.run_model(model_type, CLASSES[model_type])
+
+
+def test_a_revert_that_leaves_the_conversion_is_reported(monkeypatch):
+    import normkit
+
+    monkeypatch.setattr(normkit, "revert", lambda model: None)
+    record = sweep.run_model("llama", CLASSES["llama"])
+    assert record["reverted"] == "module classes differ"
+    assert sweep.summarize([record])["not_reverted"] == ["llama"]
 
 
 def test_different_is_materially_worse_than_the_untouched_error():
@@ -53,6 +64,7 @@ def test_command_writes_resumable_records_and_summarizes(tmp_path, capsys):
     assert record["model"] == "olmo" and record["status"] == "tested"
     printed = capsys.readouterr().out
     assert "broken: 0" in printed and "different: 0" in printed and "(100.00 %)" in printed
+    assert "reverted: 1 equal to the untouched model" in printed and "; not: 0" in printed
     sweep.main(["olmo", "--out", str(out)])                  # resumed: nothing runs again
     assert len(out.read_text().splitlines()) == 1
     capsys.readouterr()

@@ -13,6 +13,10 @@ same inputs and seed:
   \rangle` over those outputs (fixed random :math:`w_t`); compared: the outputs and every
   parameter's gradient.
 
+One more copy is converted, then reverted (``normkit.revert``): ``reverted`` is True where
+its module classes, state_dict keys and eval outputs, bit for bit, are the untouched
+model's, else what differs.
+
 Verdicts, per step:
 
 * **broken**: the step ran on the untouched model and raises on the converted one;
@@ -211,7 +215,7 @@ def run_model(model_type, class_name, fuse=False):
         untouched, kwargs = make(model_type, class_name, record)
     except _NotTested as err:
         return dict(record, status=err.args[0], error=err.args[1])
-    converted = copy.deepcopy(untouched)
+    converted, pristine = copy.deepcopy(untouched), copy.deepcopy(untouched)
     norms = _norm_modules(untouched)
     report = normkit.convert(converted, fuse_residual=fuse, fuse_activation=fuse)
     converted = report.model
@@ -227,13 +231,14 @@ def run_model(model_type, class_name, fuse=False):
                   len(left), no_normalization=sorted(no_norm),
                   left=[[n, c, reasons.get(n, "")] for n, c in sorted(left.items())],
                   steps={})
-    reference = jitter = None
+    reference = jitter = evaluated = None
     for mode in ("eval", "train"):
         try:
             want = _step(untouched, kwargs, mode)     # (eval again: converted runs after it)
         except Exception as err:  # noqa: BLE001
             record["steps"][mode] = {"untouched": f"{type(err).__name__}: {err}"[:300]}
             continue
+        evaluated = want[0] if mode == "eval" else evaluated
         step = {}
         try:
             got = _step(converted, kwargs, mode)
@@ -262,7 +267,30 @@ def run_model(model_type, class_name, fuse=False):
         record["steps"][mode] = step
     ran = [s for s in record["steps"].values() if "untouched" not in s]
     record["status"] = "tested" if ran else "untouched fails"
+    if evaluated is not None:
+        record["reverted"] = _reverted(pristine, untouched, kwargs, evaluated, fuse)
     return record
+
+
+def _reverted(model, untouched, kwargs, evaluated, fuse):
+    """``model`` (a copy of the untouched one) converted, then reverted: True where its
+    module classes, state_dict keys and eval outputs (bit for bit) are the untouched
+    model's; else what differs, or the error."""
+    import normkit
+
+    try:
+        normkit.convert(model, fuse_residual=fuse, fuse_activation=fuse)
+        normkit.revert(model)
+        if [type(m) for m in model.modules()] != [type(m) for m in untouched.modules()]:
+            return "module classes differ"
+        if list(model.state_dict()) != list(untouched.state_dict()):
+            return "state_dict keys differ"
+        outputs = _step(model, kwargs, "eval")[0]
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"[:300]
+    same = len(outputs) == len(evaluated) and all(
+        a.shape == b.shape and torch.equal(a, b) for a, b in zip(outputs, evaluated))
+    return same or "eval outputs differ"
 
 
 def _child(model_type, class_name, fuse, conn):
@@ -352,11 +380,14 @@ def summarize(records) -> dict:
     on = sum(r.get("on_normkit", 0) for r in tested)
     left = Counter(c for r in tested for _, c, _ in r.get("left", []))
     no_norm = sum(len(r.get("no_normalization", [])) for r in tested)
+    not_reverted = sorted(r["model"] for r in tested if r.get("reverted", True) is not True)
     fused = {key: sum(r.get(key, 0) for r in tested) for key in ("fused_adds",
                                                                    "fused_activations")}
     return dict(models=len(records), tested=len(tested), broken=broken, different=diff,
                 steps_judged=judged, norm_modules=norms, on_normkit=on,
                 no_normalization=no_norm, **fused,
+                reverted=sum(1 for r in tested if r.get("reverted") is True),
+                not_reverted=not_reverted,
                 models_fused=sum(1 for r in tested if r.get("fused_adds") or
                                  r.get("fused_activations")),
                 share=on / norms if norms else 1.0, left=dict(left.most_common()),
@@ -373,6 +404,9 @@ def _print_summary(s, records):
     print(f"norm modules: {s['norm_modules']}, on normkit {s['on_normkit']} "
           f"({100 * s['share']:.2f} %); named like a norm but normalizing nothing, counted "
           f"apart: {s['no_normalization']}")
+    print(f"reverted: {s['reverted']} equal to the untouched model (classes, state_dict "
+          f"keys, eval outputs bit for bit); not: {len(s['not_reverted'])} "
+          f"{' '.join(s['not_reverted'])}")
     if any("fused_adds" in r for r in records):
         print(f"fused: {s['fused_adds']} residual adds, {s['fused_activations']} BatchNorm "
               f"activations, in {s['models_fused']} models")
