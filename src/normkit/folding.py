@@ -35,7 +35,6 @@ except ModuleNotFoundError as error:   # (an optional dependency)
     raise needs(error, "normkit.fold") from None
 
 from torch import fx, nn
-from torch.nn.utils import parametrize
 
 import normkit.nn as nknn
 
@@ -83,11 +82,7 @@ _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 def _producer_kind(module):
     """The producer type of ``_PRODUCERS`` that ``module`` computes: its own type, or the
     one it subclasses keeping that type's ``forward`` (and a convolution's
-    ``_conv_forward``), as transformers' ``EfficientNetDepthwiseConv2d`` does; else None.
-    Not a parametrized module (``weight_norm``): its weight is computed, not a tensor the
-    fold could rewrite."""
-    if parametrize.is_parametrized(module):
-        return None
+    ``_conv_forward``), as transformers' ``EfficientNetDepthwiseConv2d`` does; else None."""
     for kind in type(module).__mro__:
         if kind in _PRODUCERS:
             same = all(getattr(type(module), method, None) is getattr(kind, method, None)
@@ -261,13 +256,6 @@ def _why_not(bn, bn_node, root, prefix, calls, paths, tensors_read) -> tuple:
     if not isinstance(source, fx.Node) or source.op == "placeholder":
         where = f"the input of {prefix!r}" if prefix else "the model's input"
         return None, None, f"no producer: it normalizes {where}, not a layer's output"
-    if source.op == "call_module" and \
-            parametrize.is_parametrized(root.get_submodule(source.target)):
-        return None, None, (
-            f"its producer {_join(prefix, source.target)!r} has parametrized tensors "
-            f"(torch.nn.utils.parametrize, e.g. weight_norm), computed at each call, which a "
-            f"fold cannot rewrite; fold after parametrize.remove_parametrizations(module, "
-            f"'weight')")
     if source.op != "call_module" or _producer_kind(root.get_submodule(source.target)) is None:
         return None, None, (f"its input comes from {_describe(source, root)}, not straight from "
                             f"a Conv1d/2d/3d, ConvTranspose1d/2d/3d or Linear")
@@ -288,12 +276,14 @@ def _why_not(bn, bn_node, root, prefix, calls, paths, tensors_read) -> tuple:
     if calls[producer] > 1:
         return None, None, (f"its producer {name!r} ({kind}) is called {calls[producer]} times "
                             f"in the forward; folding would change every call")
-    own = producer._parameters
+    own = producer._parameters          # (parametrized tensors, a property: computed)
     if own.get("weight") is None or producer.weight is not own["weight"] or (
             producer.bias is not None and producer.bias is not own.get("bias")):
         return None, None, (f"its producer {name!r} ({kind}) computes its weight or bias "
-                            f"instead of holding them as its own parameters: a fold could not "
-                            f"rewrite them")
+                            f"at each call instead of holding them as its own parameters "
+                            f"(parametrized tensors, e.g. weight_norm, or a property): a fold "
+                            f"could not rewrite them; for a parametrization, fold after "
+                            f"parametrize.remove_parametrizations(module, 'weight')")
     for module, what in ((producer, f"its producer {name!r}"), (bn, "it")):
         if len(paths[module]) > 1:
             return None, None, (f"{what} is registered under several names "

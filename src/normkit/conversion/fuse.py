@@ -158,15 +158,17 @@ def _add_operands(value):
     return None
 
 
-def _shown(a, b):
-    """``A + B`` as the report shows a site."""
-    text = f"{ast.unparse(a)} + {ast.unparse(b)}"
+def _short(text):
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _shown(a, b):
+    """``A + B`` as the report shows a site."""
+    return _short(f"{ast.unparse(a)} + {ast.unparse(b)}")
+
+
 def _first_line(stmt):
-    line = ast.unparse(stmt).splitlines()[0]
-    return line if len(line) <= 80 else line[:77] + "..."
+    return _short(ast.unparse(stmt).splitlines()[0])
 
 
 def _windows(fn_def, norms):
