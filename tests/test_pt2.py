@@ -97,6 +97,34 @@ def _check_compiled_training(name, backend):
     assert counter.frame_count == 2  # one graph for training, one for eval: no graph break
 
 
+@pytest.mark.parametrize("decomposed", [True, False], ids=["decomposed", "operator"])
+def test_compiled_autograd_of_a_compiled_training_step_equals_eager(decomposed):
+    """A compiled training step whose backward compiled autograd traces: the compiled
+    forward holds no C++ node of the executor (whose saved context compiled autograd cannot
+    hash: a norm left eager in it fails), and gradients and running statistics equal
+    eager's."""
+    from torch._dynamo.utils import counters
+
+    ops.compile_decomposed(decomposed)
+    try:
+        eager = _converted("resnet").train()
+        model = copy.deepcopy(eager)
+
+        def step(x):
+            _loss(model(x)).backward()
+
+        counters["compiled_autograd"].clear()
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            compiled = torch.compile(step, backend="aot_eager")
+            for _ in range(2):
+                x = torch.randn(4, 3, 32, 32)
+                _loss(eager(x)).backward()
+                compiled(x)
+                _assert_same_state(eager, model)
+        assert counters["compiled_autograd"]["captures"] > 0
+    finally:
+        ops.compile_decomposed(True)
+
 def test_compile_dynamic_batch_does_not_recompile():
     # (frames compiled by the tests before, in this worker, count toward dynamo's
     # recompile limit for the same code: start from none)
