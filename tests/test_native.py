@@ -1,5 +1,5 @@
 """The C++ executor (``normkit.backends.cpu.native``): every CPU call runs normkit's kernels
-in a C++ plan, recorded by its C++ autograd Function. Each case runs on both paths, the
+in a C++ plan, recorded by its C++ autograd node. Each case runs on both paths, the
 executor and the composite torch path it leaves to when switched off, against the float64
 reference and against torch."""
 
@@ -274,6 +274,61 @@ def test_saved_input_modified_in_place_is_an_error():
     h.add_(1.0)                          # the node saved h: autograd must refuse
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+
+def _autograd_behaviour(lib):
+    """What autograd does around one norm of ``lib`` (torch.nn or normkit.nn)."""
+    import gc
+    import weakref
+
+    gen = torch.Generator().manual_seed(0)
+    x0, g = torch.randn(4, 8, 5, 5, generator=gen), torch.randn(4, 8, 5, 5, generator=gen)
+    seen, calls = {}, []
+    bn = lib.BatchNorm2d(8)
+    y = bn(x0.clone().requires_grad_())
+    (y * g).sum().backward(retain_graph=True)            # retained: a second backward runs
+    (y * g).sum().backward()
+    seen["retained"] = bn.weight.grad.clone()
+    with pytest.raises(RuntimeError) as twice:          # released: it cannot
+        (y * g).sum().backward()
+    seen["twice"] = str(twice.value).split("(")[0]
+    ln = lib.LayerNorm(5)
+    h = x0.clone().requires_grad_() * 2
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: (calls.append(tuple(t.shape)), t)[1], lambda t: t):
+        y = ln(h)
+    seen["input saved"] = (4, 8, 5, 5) in calls
+    y.grad_fn.register_prehook(lambda grads: calls.append("pre"))
+    y.grad_fn.register_hook(lambda grads_in, grads_out: calls.append(len(grads_in)))
+    gone = weakref.ref(h)
+    del h
+    seen["weight only"] = torch.autograd.grad((y * g).sum(), [ln.weight])[0]   # no dx
+    gc.collect()
+    seen["hooks"], seen["released"] = calls[-2:], gone() is None
+    frozen = lib.BatchNorm2d(8)
+    frozen.bias.requires_grad_(False)
+    x = x0.clone().requires_grad_()
+    (frozen(x) * g).sum().backward()
+    seen["frozen bias"] = (frozen.bias.grad, frozen.weight.grad, x.grad)
+    bare = lib.GroupNorm(2, 8, affine=False)
+    x = x0.clone().requires_grad_()
+    (bare(x) * g).sum().backward()
+    seen["no parameters"] = x.grad
+    return seen
+
+
+def test_the_node_does_for_autograd_what_torchs_nodes_do():
+    """retain_graph and a second backward, saved-tensor hooks (the input is saved), the
+    node's pre-hooks and hooks (three gradients: input, weight, bias), a gradient of the
+    weight alone, the saved input freed after the backward, a frozen bias, no weight."""
+    ours, theirs = _autograd_behaviour(nknn), _autograd_behaviour(torch.nn)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        if isinstance(ours[key], (str, list, bool)):
+            assert ours[key] == theirs[key], key
+        else:
+            torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-5, msg=key)
 
 
 def test_statistics_are_not_differentiable_and_y_is_its_own_tensor():

@@ -32,7 +32,7 @@ and statistics recomputed from ``x``, so autograd differentiates the hand-derive
 backward. In plain eager mode (no tracing, no dispatch mode, a plain tensor)
 ``norm_forward`` here runs what those kernels would run without the two Python round
 trips through the dispatcher (``run``): on the CPU the plan's C++ executor
-(``normkit.backends.cpu.native``, its own ``torch::autograd::Function``, whose backward
+(``normkit.backends.cpu.native``, its own autograd node ``NormNode``, whose backward
 calls ``norm_backward`` when it is itself differentiated), else ``NormFunction``.
 ``apply_norm`` and ``add_norm`` are what ``normkit.functional``'s ops call.
 
@@ -223,7 +223,7 @@ def run(plan, x, weight, bias, eps, mean=None, rstd=None, keep_stats=True, var=N
     ``normkit.nn._kept``). Returns ``(y, mean, rstd, var)``, ``y`` in ``x``'s shape.
 
     A C++ plan (``normkit.backends.cpu``) runs the call itself: ``apply`` when a gradient
-    is to be recorded (its ``torch::autograd::Function``), ``forward`` otherwise. Any other
+    is to be recorded (it records its autograd node), ``forward`` otherwise. Any other
     plan (the GPU's, the composite's) runs ``forward``, or ``NormFunction`` when a
     gradient is to be recorded. Fixed statistics: ``mean`` with ``rstd``, or with ``var``
     (``rstd`` None: computed from it). ``running = (running_mean, running_var, momentum,

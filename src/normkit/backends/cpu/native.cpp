@@ -4,7 +4,7 @@
 // runs in stages and its scratch, the statistics' shape and dtype, the defaults for a
 // missing weight or bias, and the grouping, for the double backward. Its forward and
 // backward allocate with ATen and run the kernels with no Python in between; apply does
-// the same behind a torch::autograd::Function (NormNode). native_support.cpp: the
+// the same and records its autograd node (NormNode). native_support.cpp: the
 // tensors' layout checks, the outputs' memory and the running buffers' update.
 //
 // Kernel arguments: one int64 array `a` (and eps), one slot per argument name, the same in
@@ -23,7 +23,8 @@
 #include <ATen/ATen.h>  // (not <torch/extension.h>, the whole C++ frontend: 35 s to build, not 23)
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <pthread.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/utils/pybind.h>
 
 namespace normkit_native {   // native_support.cpp
@@ -44,8 +45,9 @@ using normkit_native::like_input;
 using normkit_native::resident;
 using normkit_native::rows_of_channels;
 using normkit_native::update_running;
-using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::tensor_list;
+using torch::autograd::variable_list;
 using Tensor = at::Tensor;
 
 typedef void (*kernel_fn)(int64_t*, double);
@@ -358,76 +360,47 @@ tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, con
   return {dx, dw, db};
 }
 
-// what a node keeps besides its saved tensors: one capsule under one key (each key of
-// the context's map costs a string and a hash per call)
-struct Kept : torch::CustomClassHolder {
-  c10::intrusive_ptr<Plan> plan;
-  double eps = 0.0;
-  bool fixed = false, has_bias = false;
-  std::vector<int64_t> bias_shape;
-  at::ScalarType bias_dtype = at::kFloat;
-};
-
 // a gradient in its parameter's shape and dtype (no new tensor where it already is)
 Tensor as_param(const Tensor& grad, at::IntArrayRef shape, at::ScalarType dtype) {
   Tensor out = grad.sizes() == shape ? grad : grad.reshape(shape);
   return out.scalar_type() == dtype ? out : out.to(dtype);
 }
 
-struct NormNode : public torch::autograd::Function<NormNode> {
-  // given_mean / given_rstd empty: batch statistics, returned as three more outputs unless
-  // not kept or used for the running update (undefined tensors as empty optionals: the
-  // Function takes no undefined tensor input)
-  static tensor_list forward(AutogradContext* ctx, Tensor x, c10::optional<Tensor> weight,
-                             c10::optional<Tensor> bias, double eps,
-                             c10::optional<Tensor> given_mean, c10::optional<Tensor> given_rstd,
-                             c10::intrusive_ptr<Plan> plan, bool keep_stats,
-                             Running running) {
-    Tensor w = optional(weight), b = optional(bias);
-    Tensor fixed_mean = optional(given_mean), fixed_rstd = optional(given_rstd);
-    bool fixed = fixed_mean.defined();
-    // (the statistics are computed either way: the backward needs them)
-    auto out = run_forward(*plan, x, w, b, eps, fixed_mean, fixed_rstd, false, true, Running());
-    Tensor mean = fixed ? plan->stat(fixed_mean) : out[1];
-    Tensor rstd = fixed ? plan->stat(fixed_rstd) : out[2];
-    if (plan->activation.empty())
-      ctx->save_for_backward({x, w, mean, rstd});
-    else                               // (the backward's z = w * xhat + b)
-      ctx->save_for_backward({x, w, mean, rstd, b});
-    auto kept = c10::make_intrusive<Kept>();
-    kept->plan = std::move(plan), kept->eps = eps, kept->fixed = fixed;
-    if (b.defined()) {                 // its gradient's shape and dtype
-      kept->has_bias = true;
-      kept->bias_shape = b.sizes().vec();
-      kept->bias_dtype = b.scalar_type();
-    }
-    ctx->saved_data["k"] = c10::IValue::make_capsule(std::move(kept));
-    if (fixed || running.update(out[1], out[3]) || !(keep_stats || running.mean.defined()))
-      return {out[0]};
-    ctx->mark_non_differentiable({out[1], out[2], out[3]});
-    return out;
+// The autograd node of a recorded call (apply), written as torch's generated nodes are:
+// its saved tensors and constants are members, its edges x, w, b (an undefined one: no
+// edge). (A torch::autograd::Function costs about 5 us a call more: its context's map, the
+// outputs' wrapping; benchmarks/bench_autograd_node.py.)
+struct NormNode : public torch::autograd::Node {
+  using Node::Node;
+  c10::intrusive_ptr<Plan> plan;
+  SavedVariable x_, w_, mean_, rstd_, b_;   // b_: the forward's bias, where the plan has an
+  double eps = 0.0;                         // activation (its z = w * xhat + b)
+  bool fixed = false, released = false;
+  std::vector<int64_t> bias_shape;          // the bias's gradient's shape and dtype
+  at::ScalarType bias_dtype = at::kFloat;
+
+  std::string name() const override { return "NormNode"; }
+
+  void release_variables() override {
+    x_.reset_data(), w_.reset_data(), mean_.reset_data(), rstd_.reset_data(), b_.reset_data();
+    released = true;
   }
 
-  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    auto saved = ctx->get_saved_variables();
-    const Tensor &x = saved[0], &w = saved[1], &mean = saved[2], &rstd = saved[3];
-    Tensor b = saved.size() > 4 ? saved[4] : Tensor();
-    auto kept = c10::static_intrusive_pointer_cast<Kept>(ctx->saved_data["k"].toCapsule());
-    const Plan& p = *kept->plan;
-    // (the Function's edges are its tensor inputs that are given: x, w, b, in that order)
-    std::array<bool, 3> needs = {ctx->needs_input_grad(0),
-                                 w.defined() && ctx->needs_input_grad(1),
-                                 kept->has_bias && ctx->needs_input_grad(w.defined() ? 2 : 1)};
-    tensor_list result(9);
-    if (!(needs[0] || needs[1] || needs[2])) return result;
-    Tensor g = grads[0];
+  variable_list apply(variable_list&& grads) override {
+    TORCH_CHECK(!released, torch::autograd::ERR_BACKWARD_TWICE);
+    std::array<bool, 3> needs = {task_should_compute_output(0), task_should_compute_output(1),
+                                 task_should_compute_output(2)};
+    variable_list result(3);
+    if (!grads[0].defined() || !(needs[0] || needs[1] || needs[2])) return result;
+    Tensor x = x_.unpack(), w = w_.unpack(), mean = mean_.unpack(), rstd = rstd_.unpack();
+    Tensor b = b_.unpack();
     // double backward: the operator, whose autograd differentiates the formula
     auto out = at::GradMode::is_enabled()
-                   ? backward_op(p, g, x, w, mean, rstd, kept->eps, kept->fixed, needs, b)
-                   : run_backward(p, g, x, w, mean, rstd, Tensor(), b);
+                   ? backward_op(*plan, grads[0], x, w, mean, rstd, eps, fixed, needs, b)
+                   : run_backward(*plan, grads[0], x, w, mean, rstd, Tensor(), b);
     if (needs[0]) result[0] = out[0].sizes() == x.sizes() ? out[0] : out[0].reshape(x.sizes());
     if (needs[1]) result[1] = as_param(out[1], w.sizes(), w.scalar_type());
-    if (needs[2]) result[2] = as_param(out[2], kept->bias_shape, kept->bias_dtype);
+    if (needs[2]) result[2] = as_param(out[2], bias_shape, bias_dtype);
     return result;
   }
 };
@@ -521,22 +494,40 @@ tensor_list add_forward(const Plan& plan, const Tensor& x, const Tensor& residua
   return {out[0], out[4], out[1], out[2]};
 }
 
-tensor_list apply(Plan& plan, const Tensor& x, const c10::optional<Tensor>& w,
-                  const c10::optional<Tensor>& b, double eps,
+tensor_list apply(Plan& plan, const Tensor& x, const c10::optional<Tensor>& weight,
+                  const c10::optional<Tensor>& bias, double eps,
                   const c10::optional<Tensor>& mean, const c10::optional<Tensor>& rstd,
                   bool keep_stats, const c10::optional<Tensor>& var,
                   const c10::optional<Tensor>& running_mean,
                   const c10::optional<Tensor>& running_var, double momentum, double unbias) {
-  Tensor r = optional(rstd);
-  if (mean.has_value() && !r.defined()) {
-    at::NoGradGuard no_grad;
-    r = at::rsqrt(plan.stat(*var) + eps);
+  Tensor w = optional(weight), b = optional(bias), fixed_mean = optional(mean);
+  Tensor fixed_rstd = optional(rstd);
+  bool fixed = fixed_mean.defined();
+  Running running = running_of(running_mean, running_var, momentum, unbias);
+  tensor_list out;
+  Tensor saved_mean, saved_rstd;
+  {
+    at::AutoGradMode no_grad(false);
+    if (fixed && !fixed_rstd.defined()) fixed_rstd = at::rsqrt(plan.stat(*var) + eps);
+    // (the statistics are computed either way: the backward needs them)
+    out = run_forward(plan, x, w, b, eps, fixed_mean, fixed_rstd, false, true, Running());
+    saved_mean = fixed ? plan.stat(fixed_mean) : out[1];
+    saved_rstd = fixed ? plan.stat(fixed_rstd) : out[2];
+    if (!fixed && running.update(out[1], out[3])) keep_stats = false, running = Running();
   }
-  auto out = NormNode::apply(x, w, b, eps, mean, c10::optional<Tensor>(r),
-                             c10::intrusive_ptr<Plan>::reclaim_copy(&plan), keep_stats,
-                             running_of(running_mean, running_var, momentum, unbias));
-  if (out.size() == 4) return out;
-  if (mean.has_value()) return {out[0], *mean, optional(rstd), Tensor()};
+  if (torch::autograd::compute_requires_grad(x, w, b)) {
+    auto node = c10::make_intrusive<NormNode>(torch::autograd::collect_next_edges(x, w, b));
+    node->plan = c10::intrusive_ptr<Plan>::reclaim_copy(&plan);
+    node->x_ = SavedVariable(x, false), node->w_ = SavedVariable(w, false);
+    node->mean_ = SavedVariable(saved_mean, false);
+    node->rstd_ = SavedVariable(saved_rstd, false);
+    if (!plan.activation.empty()) node->b_ = SavedVariable(b, false);
+    node->eps = eps, node->fixed = fixed;
+    if (b.defined()) node->bias_shape = b.sizes().vec(), node->bias_dtype = b.scalar_type();
+    torch::autograd::set_history(out[0], node);
+  }
+  if (fixed) return {out[0], fixed_mean, optional(rstd), Tensor()};
+  if (keep_stats || running.mean.defined()) return {out[0], out[1], out[2], out[3]};
   return {out[0], Tensor(), Tensor(), Tensor()};
 }
 

@@ -9,8 +9,8 @@ statistics' shape, the defaults for a missing weight or bias, and the grouping (
 double backward). The Plan allocates with ATen, runs the kernels -- in ranges on torch's
 OpenMP team when threaded (``_parallel.team_addresses``) -- and updates BatchNorm's
 running buffers, with no Python between the call and the kernels; its ``apply`` does the
-same behind a ``torch::autograd::Function``, whose backward is differentiated through
-``torch.ops.normkit.norm_backward`` (double backward).
+same and records its autograd node (``NormNode``), whose backward is differentiated
+through ``torch.ops.normkit.norm_backward`` (double backward).
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` the first time it is
 needed by an install (a C++ compiler and ninja, about 20-40 s, announced on standard
