@@ -100,8 +100,8 @@ def _check_compiled_training(name, backend):
 @pytest.mark.parametrize("decomposed", [True, False], ids=["decomposed", "operator"])
 def test_compiled_autograd_of_a_compiled_training_step_equals_eager(decomposed):
     """A compiled training step whose backward compiled autograd traces: the compiled
-    forward holds no C++ node of the executor (whose saved context compiled autograd cannot
-    hash: a norm left eager in it fails), and gradients and running statistics equal
+    forward holds no autograd node of the C++ executor (which compiled autograd cannot
+    trace: a norm left eager in it fails), and gradients and running statistics equal
     eager's."""
     from torch._dynamo.utils import counters
 
