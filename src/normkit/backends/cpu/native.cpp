@@ -375,7 +375,7 @@ struct NormNode : public torch::autograd::Node {
   c10::intrusive_ptr<Plan> plan;
   SavedVariable x_, w_, mean_, rstd_, b_;   // b_: the forward's bias, where the plan has an
   double eps = 0.0;                         // activation (its z = w * xhat + b)
-  bool fixed = false, released = false;
+  bool fixed = false;
   std::vector<int64_t> bias_shape;          // the bias's gradient's shape and dtype
   at::ScalarType bias_dtype = at::kFloat;
 
@@ -383,15 +383,14 @@ struct NormNode : public torch::autograd::Node {
 
   void release_variables() override {
     x_.reset_data(), w_.reset_data(), mean_.reset_data(), rstd_.reset_data(), b_.reset_data();
-    released = true;
   }
 
   variable_list apply(variable_list&& grads) override {
-    TORCH_CHECK(!released, torch::autograd::ERR_BACKWARD_TWICE);
     std::array<bool, 3> needs = {task_should_compute_output(0), task_should_compute_output(1),
                                  task_should_compute_output(2)};
     variable_list result(3);
     if (!grads[0].defined() || !(needs[0] || needs[1] || needs[2])) return result;
+    // (after release_variables, unpacking x raises torch's "backward ... a second time")
     Tensor x = x_.unpack(), w = w_.unpack(), mean = mean_.unpack(), rstd = rstd_.unpack();
     Tensor b = b_.unpack();
     // double backward: the operator, whose autograd differentiates the formula
