@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import socket
 
 import torch
@@ -79,6 +80,11 @@ def train(rank, world, port, steps, per_rank_batch):
         with torch.no_grad():                  # eval never synchronizes: one rank may run it
             acc = (model.module(x).argmax(1) == y).float().mean().item()
         print(f"accuracy {acc:.3f}; running statistics identical on all ranks: {same}")
+    # the process group's threads must end while Python still runs: a gloo thread that
+    # frees a finished collective's tensors at interpreter exit aborts the process
+    # (pytorch#190489). DDP holds the group: free it first, then destroy the group.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
