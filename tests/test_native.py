@@ -5,6 +5,9 @@ reference and against torch."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -276,12 +279,8 @@ def test_saved_input_modified_in_place_is_an_error():
         y.sum().backward()
 
 
-
 def _autograd_behaviour(lib):
     """What autograd does around one norm of ``lib`` (torch.nn or normkit.nn)."""
-    import gc
-    import weakref
-
     gen = torch.Generator().manual_seed(0)
     x0, g = torch.randn(4, 8, 5, 5, generator=gen), torch.randn(4, 8, 5, 5, generator=gen)
     seen, calls = {}, []
@@ -321,7 +320,7 @@ def _autograd_behaviour(lib):
 def test_the_node_does_for_autograd_what_torchs_nodes_do():
     """retain_graph and a second backward, saved-tensor hooks (the input is saved), the
     node's pre-hooks and hooks (three gradients: input, weight, bias), a gradient of the
-    weight alone, the saved input freed after the backward, a frozen bias, no weight."""
+    weight alone, the saved input freed after the backward, a frozen bias, no parameters."""
     ours, theirs = _autograd_behaviour(nknn), _autograd_behaviour(torch.nn)
     assert ours.keys() == theirs.keys()
     for key in ours:

@@ -125,6 +125,7 @@ def test_compiled_autograd_of_a_compiled_training_step_equals_eager(decomposed):
     finally:
         ops.compile_decomposed(True)
 
+
 def test_compile_dynamic_batch_does_not_recompile():
     # (frames compiled by the tests before, in this worker, count toward dynamo's
     # recompile limit for the same code: start from none)
