@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/version.h>
 
 using at::Tensor;
 using torch::autograd::AutogradContext;
@@ -61,7 +62,12 @@ Tensor as_node(const Tensor& x, const Tensor& w) {
     y = times(x, w);
   }
   if (torch::autograd::compute_requires_grad(x, w)) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13   // (nodes by std::shared_ptr)
+    std::shared_ptr<MulNode> node(new MulNode(torch::autograd::collect_next_edges(x, w)),
+                                  torch::autograd::deleteNode);
+#else
     auto node = c10::make_intrusive<MulNode>(torch::autograd::collect_next_edges(x, w));
+#endif
     node->x_ = SavedVariable(x, false), node->w_ = SavedVariable(w, false);
     torch::autograd::set_history(y, node);
   }

@@ -26,6 +26,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/version.h>
 
 namespace normkit_native {   // native_support.cpp
 bool rows_of_channels(const at::Tensor& x, int64_t n, int64_t c, int64_t s);
@@ -380,7 +381,6 @@ struct NormNode : public torch::autograd::Node {
   at::ScalarType bias_dtype = at::kFloat;
 
   std::string name() const override { return "NormNode"; }
-
   void release_variables() override {
     x_.reset_data(), w_.reset_data(), mean_.reset_data(), rstd_.reset_data(), b_.reset_data();
   }
@@ -403,6 +403,16 @@ struct NormNode : public torch::autograd::Node {
     return result;
   }
 };
+
+// a new node: torch 2.13 holds autograd nodes by c10::intrusive_ptr, 2.12 by std::shared_ptr
+template <class T>
+auto new_node(torch::autograd::edge_list&& edges) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+  return std::shared_ptr<T>(new T(std::move(edges)), torch::autograd::deleteNode);
+#else
+  return c10::make_intrusive<T>(std::move(edges));
+#endif
+}
 
 tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const Tensor& w,
                         const Tensor& mean, const Tensor& rstd, double eps, bool fixed,
@@ -515,7 +525,7 @@ tensor_list apply(Plan& plan, const Tensor& x, const c10::optional<Tensor>& weig
     if (!fixed && running.update(out[1], out[3])) keep_stats = false, running = Running();
   }
   if (torch::autograd::compute_requires_grad(x, w, b)) {
-    auto node = c10::make_intrusive<NormNode>(torch::autograd::collect_next_edges(x, w, b));
+    auto node = new_node<NormNode>(torch::autograd::collect_next_edges(x, w, b));
     node->plan = c10::intrusive_ptr<Plan>::reclaim_copy(&plan);
     node->x_ = SavedVariable(x, false), node->w_ = SavedVariable(w, false);
     node->mean_ = SavedVariable(saved_mean, false);
