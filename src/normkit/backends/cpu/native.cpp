@@ -367,10 +367,9 @@ Tensor as_param(const Tensor& grad, at::IntArrayRef shape, at::ScalarType dtype)
   return out.scalar_type() == dtype ? out : out.to(dtype);
 }
 
-// The autograd node of a recorded call (apply), written as torch's generated nodes are:
-// its saved tensors and constants are members, its edges x, w, b (an undefined one: no
-// edge). (A torch::autograd::Function costs about 5 us a call more: its context's map, the
-// outputs' wrapping; benchmarks/bench_autograd_node.py.)
+// The autograd node of a recorded call (apply), as torch's generated nodes: saved tensors
+// and constants as members, edges x, w, b (none for an undefined one). A torch::autograd::
+// Function cost 5-6 us a call more (its context, the outputs' wrapping: bench_autograd_node.py)
 struct NormNode : public torch::autograd::Node {
   using Node::Node;
   c10::intrusive_ptr<Plan> plan;
@@ -405,8 +404,7 @@ struct NormNode : public torch::autograd::Node {
 };
 
 // a new node: torch 2.13 holds autograd nodes by c10::intrusive_ptr, 2.12 by std::shared_ptr
-template <class T>
-auto new_node(torch::autograd::edge_list&& edges) {
+template <class T> auto new_node(torch::autograd::edge_list&& edges) {
 #if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
   return std::shared_ptr<T>(new T(std::move(edges)), torch::autograd::deleteNode);
 #else
@@ -515,6 +513,7 @@ tensor_list apply(Plan& plan, const Tensor& x, const c10::optional<Tensor>& weig
   Running running = running_of(running_mean, running_var, momentum, unbias);
   tensor_list out;
   Tensor saved_mean, saved_rstd;
+  bool stats_back;   // the batch statistics returned: kept, and not used for the update here
   {
     at::AutoGradMode no_grad(false);
     if (fixed && !fixed_rstd.defined()) fixed_rstd = at::rsqrt(plan.stat(*var) + eps);
@@ -522,7 +521,8 @@ tensor_list apply(Plan& plan, const Tensor& x, const c10::optional<Tensor>& weig
     out = run_forward(plan, x, w, b, eps, fixed_mean, fixed_rstd, false, true, Running());
     saved_mean = fixed ? plan.stat(fixed_mean) : out[1];
     saved_rstd = fixed ? plan.stat(fixed_rstd) : out[2];
-    if (!fixed && running.update(out[1], out[3])) keep_stats = false, running = Running();
+    stats_back = !fixed && !running.update(out[1], out[3]) &&
+                 (keep_stats || running.mean.defined());
   }
   if (torch::autograd::compute_requires_grad(x, w, b)) {
     auto node = new_node<NormNode>(torch::autograd::collect_next_edges(x, w, b));
@@ -536,7 +536,7 @@ tensor_list apply(Plan& plan, const Tensor& x, const c10::optional<Tensor>& weig
     torch::autograd::set_history(out[0], node);
   }
   if (fixed) return {out[0], fixed_mean, optional(rstd), Tensor()};
-  if (keep_stats || running.mean.defined()) return {out[0], out[1], out[2], out[3]};
+  if (stats_back) return {out[0], out[1], out[2], out[3]};
   return {out[0], Tensor(), Tensor(), Tensor()};
 }
 
