@@ -22,6 +22,7 @@
 // OpenMP runtime). Without that runtime (after a fork, no OpenMP) they run in turn here.
 #include <ATen/ATen.h>  // (not <torch/extension.h>, the whole C++ frontend: 35 s to build, not 23)
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <pthread.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -213,12 +214,10 @@ struct Plan : torch::CustomClassHolder {
       for (int64_t r = 0; r < job.ranges; ++r) job.range(r);
       return;
     }
-    if (PyGILState_Check()) {   // as torch's ops: other Python threads run meanwhile, and
-      py::gil_scoped_release no_gil;   // a kernel's error report (numba) can take the GIL
-      gomp_parallel(&Region::member, &job, static_cast<unsigned>(job.ranges), 0);
-    } else {                    // (a backward on autograd's thread holds no GIL)
-      gomp_parallel(&Region::member, &job, static_cast<unsigned>(job.ranges), 0);
-    }
+    // as torch's ops, without the GIL (a backward on autograd's thread holds none): other
+    std::optional<py::gil_scoped_release> no_gil;   // Python threads run meanwhile, and a
+    if (PyGILState_Check()) no_gil.emplace();       // kernel's error report (numba) takes it
+    gomp_parallel(&Region::member, &job, static_cast<unsigned>(job.ranges), 0);
   }
 
   // one direction's stages, with its scratch
@@ -290,12 +289,10 @@ tensor_list run_forward(const Plan& p, const Tensor& x, const Tensor& w, const T
                         double eps, const Tensor& fixed_mean, const Tensor& fixed,
                         bool from_var, bool keep_stats, Running running,
                         const Tensor& residual = Tensor()) {
+  RECORD_FUNCTION("normkit::norm_forward", std::vector<c10::IValue>({x}));   // (profilers)
   check_input(p, x);
   Tensor y = p.empty_like(x), h;
-  if (residual.defined()) {
-    check_added(p, residual);
-    h = p.empty_like(x);
-  }
+  if (residual.defined()) check_added(p, residual), h = p.empty_like(x);
   Tensor wk = p.param(w, p.ones), bk = p.param(b, p.zeros);
   Tensor mean, rstd, var;
   bool given = fixed_mean.defined();
@@ -338,6 +335,7 @@ tensor_list backward_op(const Plan& p, const Tensor& g, const Tensor& x, const T
 tensor_list run_backward(const Plan& p, const Tensor& grad, const Tensor& x, const Tensor& w,
                          const Tensor& mean, const Tensor& rstd,
                          const Tensor& grad_h = Tensor(), const Tensor& b = Tensor()) {
+  RECORD_FUNCTION("normkit::norm_backward", std::vector<c10::IValue>({grad, x}));
   check_input(p, x);
   Tensor g = like_input(grad.sizes() == x.sizes() ? grad : grad.reshape(x.sizes()), x), gh;
   if (grad_h.defined()) {
