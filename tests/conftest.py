@@ -95,6 +95,17 @@ def _fresh_plans():
     backends.clear_plans()
 
 
+@pytest.fixture
+def native_on():
+    """The C++ executor switched on before and after a test (for the files of tests that
+    switch it off: ``pytestmark = pytest.mark.usefixtures("native_on")``)."""
+    from normkit.backends.cpu import native
+
+    native.switch(True)
+    yield
+    native.switch(True)
+
+
 def pytest_sessionstart(session):
     """The suite tests normkit's kernels, so it fails at once where they are missing
     (numba, the ``fast`` extra; the C++ node, which needs a C++ compiler), instead of

@@ -34,11 +34,7 @@ def _near(p, q, dtype, what):
     assert err <= ULPS[dtype], f"{what}: the paths differ by {err:.1e} of the largest value"
 
 
-@pytest.fixture(autouse=True)
-def _native_on():
-    native.switch(True)
-    yield
-    native.switch(True)
+pytestmark = pytest.mark.usefixtures("native_on")
 
 
 def test_the_extension_builds_and_loads():

@@ -20,11 +20,7 @@ if not native.enabled():
     pytest.skip("NORMKIT_NATIVE=0: the C++ node is switched off", allow_module_level=True)
 
 
-@pytest.fixture(autouse=True)
-def _native_on():
-    native.switch(True)
-    yield
-    native.switch(True)
+pytestmark = pytest.mark.usefixtures("native_on")
 
 
 # ---- eval BatchNorm layers keep their node (nn.batchnorm._BatchNorm._eval_node_call) ----
