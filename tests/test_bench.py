@@ -118,3 +118,32 @@ def test_train_rows_report_saved_bytes_of_both_models(monkeypatch):
     assert "saved MiB" in lines[0]
     assert f"{train['saved_ratio']:6.3f}" in lines[1]
     assert len(lines[2].split()) == len(lines[1].split()) - 3     # infer: no saved columns
+
+
+def test_the_help_names_every_model(capsys):
+    import re
+
+    from normkit.bench.models import MODELS
+    from normkit.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    named = set(re.findall(r"[\w-]+", capsys.readouterr().out))
+    assert set(MODELS) <= named, set(MODELS) - named
+
+
+def test_decode_rows_generate_the_same_tokens_and_are_timed(monkeypatch):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from normkit.bench import models
+
+    plain, converted, count = models._pair(models.MODELS["llama-decode"][1])
+    x = models.MODELS["llama-decode"][2]()
+    want = models.decode_step(plain.eval(), None, x)
+    assert want.shape == (1, x.shape[1] + models.DECODE_TOKENS)
+    assert count == 9 and torch.equal(models.decode_step(converted.eval(), None, x), want)
+    monkeypatch.setattr(models, "_time_steps", lambda fn, model, opt, x, steps: 1e-3)
+    row = models.measure_model("llama-decode", "decode", repeats=1)
+    assert row["mode"] == "decode" and row["ratio"] == 1.0 and row["saved_ratio"] is None
+    assert models.format_models([row]).splitlines()[1].split()[:3] == [
+        "llama-decode", "decode", "9"]

@@ -6,7 +6,9 @@
   downloaded), one left as it is and one passed through ``normkit.convert``. A *train*
   step is forward, loss (sum of the output's squares, or the LM loss), backward and an SGD
   update; an *infer* step is a no-grad forward in eval mode. The two models alternate
-  step by step after a warm-up each (numba compiles on first use); each repeat times
+  step by step after a warm-up each (numba compiles on first use); a *decode* step is a
+  language model's greedy generation of ``DECODE_TOKENS`` tokens after a prompt, batch 1,
+  with its key/value cache: the small calls of serving. Each repeat times
   ``steps`` steps of each, and the best repeat of each is kept (wall time: the models use
   every thread). The ratio is converted / untouched: below 1 normkit is faster. With
   ``--control`` an untouched copy runs alongside: its ratio shows the spread of the
@@ -32,7 +34,7 @@ import time
 import torch
 
 __all__ = ["MODELS", "CALLS", "llm", "study_cnn", "images", "train_step", "infer_step",
-           "saved_bytes", "run_models", "run_calls", "format_models", "format_calls"]
+           "decode_step", "saved_bytes", "run_models", "run_calls", "format_models", "format_calls"]
 
 
 # ---------------------------------------------------------------------------- models
@@ -180,6 +182,9 @@ MODELS = {
     "llama-bf16-fused": ("the llama-bf16 model converted with fuse_residual=True",
                          lambda: llm("llama", 512, 4, 2, torch.bfloat16),
                          lambda: _tokens(4, 256), ("train",)),
+    "llama-decode": ("LlamaForCausalLM, hidden 512, 4 layers, 8 heads, 2 KV heads: 32 "
+                     "tokens generated greedily after 16, batch 1",
+                     lambda: llm("llama", 512, 4, 2), lambda: _tokens(1, 16), ("decode",)),
     "resnet50": ("ResNetModel, ResNet-50 config, batch 4, 128 px",
                  _resnet50, lambda: images(4, 128), ("train", "infer")),
     "mobilenetv2": ("MobileNetV2Model, 1.0 config, batch 8, 128 px",
@@ -212,6 +217,17 @@ def infer_step(model, opt, x):
     """A no-grad forward (``opt`` unused: the same signature as ``train_step``)."""
     with torch.no_grad():
         _output(model, x)
+
+
+DECODE_TOKENS = 32
+
+
+def decode_step(model, opt, x):
+    """``DECODE_TOKENS`` tokens generated greedily after the prompt ``x`` (no grad; ``opt``
+    unused); returns the tokens."""
+    with torch.no_grad():
+        return model.generate(x, max_new_tokens=DECODE_TOKENS, min_new_tokens=DECODE_TOKENS,
+                              do_sample=False, pad_token_id=0)
 
 
 def saved_bytes(model, x):
@@ -282,7 +298,7 @@ def measure_model(name, mode, repeats=5, min_seconds=0.3, device="cpu", control=
     plain, converted, count = _pair(build, **CONVERT.get(name, {}))
     plain, converted = plain.to(device), converted.to(device)
     x = make_input().to(device)
-    fn = train_step if mode == "train" else infer_step
+    fn = {"train": train_step, "infer": infer_step, "decode": decode_step}[mode]
     pair = {"untouched": plain, "converted": converted}
     if control:
         pair["control"] = copy.deepcopy(plain)
@@ -406,14 +422,14 @@ def _saved_columns(r):
 
 def format_models(rows):
     control = any(r.get("control") is not None for r in rows)
-    lines = [f"{'model':16s} {'mode':5s} {'norms':>5s} {'untouched ms':>13s} "
+    lines = [f"{'model':16s} {'mode':6s} {'norms':>5s} {'untouched ms':>13s} "
              f"{'converted ms':>13s} {'ratio':>6s}  {'saved MiB':>8s} {'(conv.)':>8s} "
              f"{'ratio':>6s}" + ("  control" if control else "")]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"{r['model']:16s} {r['mode']:5s} skipped: {r['skipped']}")
+            lines.append(f"{r['model']:16s} {r['mode']:6s} skipped: {r['skipped']}")
             continue
-        lines.append(f"{r['model']:16s} {r['mode']:5s} {r['norms_converted']:5d} "
+        lines.append(f"{r['model']:16s} {r['mode']:6s} {r['norms_converted']:5d} "
                      f"{r['untouched_ms']:13.2f} {r['converted_ms']:13.2f} {r['ratio']:6.3f}  "
                      f"{_saved_columns(r)}"
                      + (f"  {r['control']:7.3f}" if r.get("control") is not None else ""))

@@ -32,15 +32,15 @@ def register(subparsers):
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--models", nargs="*", metavar="MODEL", default=None,
-                   help="whole models, converted against untouched (train and infer; "
+                   help="whole models, converted against untouched (train, infer, decode; "
                         "train rows also count the bytes saved for backward), and "
                         "the per-call cost of small norms against torch.nn "
                         "(normkit.bench.models); names restrict the models: "
                         "siglip resnet18 resnet18-fused resnet18-small study-cnn-b2 "
-                        "study-cnn-b32 "
-                        "resnet18-cl study-cnn-b32-cl convnext bit mlp-bn1d llama gemma "
-                        "llama-bf16 resnet50 mobilenetv2 efficientnet-b0 (default: all; with "
-                        "--quick: study-cnn-b2)")
+                        "study-cnn-b32 resnet18-cl study-cnn-b32-cl convnext bit mlp-bn1d "
+                        "llama gemma llama-bf16 llama-bf16-fused llama-decode resnet50 "
+                        "mobilenetv2 efficientnet-b0 (default: all; with --quick: "
+                        "study-cnn-b2)")
     p.add_argument("--control", action="store_true",
                    help="with --models: time an untouched copy of each model alongside; its "
                         "ratio to the untouched model (column control) is the measurement's "
