@@ -64,7 +64,13 @@ struct Slots {
   int64_t count = 0;
 } slot;
 
+// the table, checked whole before any slot changes: a refused one leaves the slots as they were
 void set_slots(const std::map<std::string, int64_t>& table) {
+  int64_t count = static_cast<int64_t>(table.size());
+  for (auto& [name, index] : table)
+    TORCH_CHECK(index >= 0 && index < count && count <= kMaxSlots, "normkit native: slot ",
+                index, " of '", name, "' outside 0..", count - 1, " (at most ", kMaxSlots,
+                " slots)");
   std::map<std::string, int64_t*> mine = {
       {"x", &slot.x}, {"y", &slot.y}, {"w", &slot.w}, {"b", &slot.b}, {"mean", &slot.mean},
       {"rstd", &slot.rstd}, {"var", &slot.var}, {"g", &slot.g}, {"dx", &slot.dx},
@@ -72,18 +78,12 @@ void set_slots(const std::map<std::string, int64_t>& table) {
       {"r", &slot.r}, {"h", &slot.h}, {"gh", &slot.gh},
       {"from_var", &slot.from_var}, {"stream", &slot.stream}, {"stage", &slot.stage},
       {"lo", &slot.lo}, {"hi", &slot.hi}};
-  for (auto& [name, where] : mine) {
-    auto found = table.find(name);
-    TORCH_CHECK(found != table.end(), "normkit native: the argument table (args.SLOTS) has "
+  for (auto& [name, where] : mine)
+    TORCH_CHECK(table.count(name), "normkit native: the argument table (args.SLOTS) has "
                 "no slot '", name, "', which the C++ node fills; rebuild the extension "
                 "from the installed sources");
-    *where = found->second;
-  }
-  slot.count = static_cast<int64_t>(table.size());
-  for (auto& [name, index] : table)
-    TORCH_CHECK(index >= 0 && index < slot.count && slot.count <= kMaxSlots,
-                "normkit native: slot ", index, " of '", name, "' outside 0..", slot.count - 1,
-                " (at most ", kMaxSlots, " slots)");
+  for (auto& [name, where] : mine) *where = table.at(name);
+  slot.count = count;
 }
 
 // torch's OpenMP runtime (set_team; none after a fork: GNU OpenMP is not fork-safe)
