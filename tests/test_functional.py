@@ -12,6 +12,7 @@ import torch.nn.functional as TF  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import normkit.functional as NF  # noqa: E402
+import normkit.nn as nknn  # noqa: E402
 from normkit import reference  # noqa: E402
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -436,8 +437,6 @@ def test_output_can_be_modified_in_place():
 def test_non_floating_input_is_refused_as_torch_refuses_it(dtype):
     # torch's kernels raise NotImplementedError for these dtypes; before, normkit returned
     # a truncated integer (or a complex with its imaginary part dropped) without a word
-    import normkit.nn as nknn
-
     x = (torch.randn(4, 6, 5) * 3).to(dtype)
     cases = [  # (normkit's call, torch's twin or None)
         (lambda: NF.layer_norm(x, (5,)), lambda: TF.layer_norm(x, (5,))),
@@ -467,8 +466,6 @@ def test_rms_norm_default_eps_is_torchs_on_small_inputs(dtype):
     # eps=None: torch's kernel adds its compute dtype's epsilon (float32's for half inputs,
     # not bfloat16's 0.0078 its documentation names); on inputs of size 0.05 the two differ
     # by up to 1.8, so the outputs must agree exactly here
-    import normkit.nn as nknn
-
     x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)) * 0.05).to(dtype)
     want = TF.rms_norm(x, [16])
     torch.testing.assert_close(NF.rms_norm(x, [16]), want, rtol=0, atol=3e-7)
@@ -478,8 +475,6 @@ def test_rms_norm_default_eps_is_torchs_on_small_inputs(dtype):
 
 
 def test_group_norm_of_one_value_per_group_is_refused_as_torch_refuses_it():
-    import normkit.nn as nknn
-
     x = torch.randn(1, 6)
     for call in (lambda m: m.group_norm(x, 6), lambda m: m.group_norm(x[..., None], 6)):
         for module in (NF, TF):
@@ -499,8 +494,6 @@ def test_jagged_nested_tensors_are_normalized_as_torch_normalizes_them():
     # LayerNorm / RMSNorm of a jagged nested tensor (variable-length sequences) over its
     # dense trailing dims: normkit's kernels on its values, kept nested; the gradients
     # reach the nested input and the parameters. The strided layout is refused.
-    import normkit.nn as nknn
-
     gen = torch.Generator().manual_seed(0)
     parts = [torch.randn(3, 4, 8, generator=gen), torch.randn(5, 4, 8, generator=gen)]
     for ours, theirs, shape in [(nknn.LayerNorm(8), torch.nn.LayerNorm(8), (8,)),
@@ -547,6 +540,31 @@ def test_parameters_of_another_dtype_are_taken_in_the_inputs(op):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, _MIXED[op](NF, x, *[t.float() for t in half]), rtol=0,
                                atol=0)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_running_buffers_of_another_dtype_are_updated_in_theirs(dtype, grad):
+    """Training BatchNorm on a float32 input with running buffers of another dtype (which
+    torch refuses): the output is that of float32 buffers, and the buffers, kept in their
+    dtype, hold torch's update of float32 buffers to their dtype's rounding (bf16/fp16
+    updated in the executor's call, float64 after it, from its statistics)."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 4, 5, 5, generator=gen) * 2 + 1).requires_grad_(grad)
+    rm, rv = torch.randn(4, generator=gen), torch.rand(4, generator=gen) + 0.5
+    ours = [rm.to(dtype), rv.to(dtype)]
+    theirs = [t.to(dtype).float() for t in ours]
+    with pytest.raises(RuntimeError):
+        TF.batch_norm(x, *ours, training=True)
+    got = NF.batch_norm(x, *ours, training=True, momentum=0.3)
+    want = TF.batch_norm(x, *theirs, training=True, momentum=0.3)
+    torch.testing.assert_close(got, want)
+    layer = nknn.BatchNorm2d(4, momentum=0.3)          # the layer's own call path too
+    layer.running_mean, layer.running_var = rm.to(dtype), rv.to(dtype)
+    torch.testing.assert_close(layer(x), want)
+    for mine, torchs in zip(ours + [layer.running_mean, layer.running_var], theirs * 2):
+        assert mine.dtype == dtype
+        torch.testing.assert_close(mine, torchs.to(dtype))
 
 
 _CL = torch.channels_last
