@@ -199,6 +199,10 @@ def test_add_norm_double_backward_without_memory_saving():
     w = torch.randn(5, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradgradcheck(lambda a, b, c: NF.add_layer_norm(a, b, (5,), c)[0],
                                  (x, r, w))
+    # the memory-saving backward keeps y, not h: it says so where a double backward is asked
+    y, _ = NF.add_layer_norm(x, r, (5,), w, memory_saving=True)
+    with pytest.raises(RuntimeError, match="call them with memory_saving=False"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
 
 
 def test_add_norm_errors():

@@ -223,6 +223,24 @@ def _check_convert_and_ddp(rank, world, steps=3, fused=False):
     return compare
 
 
+def _check_double_backward_refused(rank, world):
+    """A backward that would be differentiated (create_graph) is refused on every rank,
+    before any collective, with what to do; the rank's layer still trains after it."""
+    sync = nkn.SyncBatchNorm(3, dtype=torch.float64)
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    try:
+        torch.autograd.grad(sync(x).square().sum(), x, create_graph=True)
+        said = None
+    except RuntimeError as error:
+        said = str(error)
+    sync(x).square().sum().backward()                  # the ranks still in step
+
+    def compare():
+        assert said is not None and "use create_graph=False" in said, said
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+    return compare
+
+
 def _worker(rank, world, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -250,6 +268,7 @@ def _worker(rank, world, port, out_dir):
         run("subgroup", _check_subgroup, SPLITS[world][0])
     run("ddp_cnn", _check_convert_and_ddp)
     run("ddp_cnn_fused_activation", _check_convert_and_ddp, fused=True)
+    run("double_backward_refused", _check_double_backward_refused)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(verdicts, f)
     dist.destroy_process_group()
@@ -290,7 +309,8 @@ def _expected_checks(world):
                   for dtype in (torch.float64, torch.float32)]
         names += [f"no_affine-momentum_none-{sizes}", f"channels_last-{sizes}",
                   f"one_collective_each_way-{sizes}"]
-    return names + (["subgroup"] if world >= 3 else []) + ["ddp_cnn", "ddp_cnn_fused_activation"]
+    return names + (["subgroup"] if world >= 3 else []) + [
+        "ddp_cnn", "ddp_cnn_fused_activation", "double_backward_refused"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
