@@ -566,6 +566,62 @@ def test_corrupt_or_mismatched_files(tmp_path):
     assert not (tmp_path / "unfitted.json").exists()
 
 
+@pytest.mark.parametrize("where, value, said", [
+    (("estimator",), ["StandardScaler"], "unknown estimator"),
+    (("params",), [1, 2], "params that are not a mapping"),
+    (("params", "with_mean"), None, r"lacks the params \['with_mean'\]"),   # (deleted)
+    (("params", "with_std"), "no", "'with_std' parameter of StandardScaler must be a bool"),
+    (("params", "copy"), [True], "'copy' parameter"),
+    (("params", "offset"), 1.0, "unexpected keyword argument 'offset'"),
+    (("n_features_in",), "2", "invalid n_features_in '2'"),
+    (("feature_names_in",), ["a", 1], "not a list of strings"),
+    (("feature_names_in",), ["a"], "1 feature names for n_features_in=2"),
+    (("state", "mean_"), ["a", "b"], "non-numeric values in state.mean_"),
+    (("state", "moments"), None, "lacks the entry state.moments"),           # (deleted)
+])
+def test_a_damaged_file_is_named_and_refused(tmp_path, where, value, said):
+    """Every damage found by editing each entry of a saved file (to another type, or
+    deleting it) is a ScalerFileError that says what: before, a list as the estimator
+    or params that were not a mapping raised a TypeError / AttributeError, and a flag
+    that was not a bool, or a missing one (its default used instead), loaded."""
+    path = tmp_path / "s.json"
+    frame = pytest.importorskip("pandas").DataFrame(make_data((10, 2), np.float64),
+                                                    columns=["a", "b"])
+    StandardScaler().fit(frame).save(path)
+    doc = json.loads(path.read_text())
+    node = doc
+    for key in where[:-1]:
+        node = node[key]
+    if value is None:
+        del node[where[-1]]
+    else:
+        node[where[-1]] = value
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ScalerFileError, match=said):
+        load_scaler(path)
+
+
+@pytest.mark.parametrize("make, name, value", [
+    (lambda v: StandardScaler(with_mean=v), "with_mean", "x"),
+    (lambda v: StandardScaler(with_std=v), "with_std", [1]),
+    (lambda v: StandardScaler(copy=v), "copy", None),
+    (lambda v: MinMaxScaler(clip=v), "clip", "yes"),
+    (lambda v: MinMaxScaler(copy=v), "copy", 0)])
+def test_a_flag_that_is_not_a_bool_is_refused_at_fit_as_sklearn_does(make, name, value):
+    """scikit-learn's parameter validation refuses these at fit (a ValueError and a
+    TypeError); before, normkit read a string or a list as true."""
+    X = make_data((10, 3), np.float64)
+    theirs = {"with_mean": skp.StandardScaler, "with_std": skp.StandardScaler,
+              "clip": skp.MinMaxScaler}.get(name)
+    for error in (ValueError, TypeError):
+        with pytest.raises(error, match=f"'{name}' parameter .* must be a bool"):
+            make(value).fit(X)
+        if theirs is not None:
+            with pytest.raises(error):
+                theirs(**{name: value}).fit(X)
+    make(np.bool_(True)).fit(X)                          # numpy's bool is a bool here too
+
+
 @pytest.mark.parametrize("make", [StandardScaler, MinMaxScaler])
 def test_float16_is_preserved_and_rounded_once(make, backend):
     # scikit-learn keeps float16 too; normkit's output is the float64 map of the data

@@ -95,20 +95,31 @@ def load(path, classes, expected=None):
         fail(f"has format_version {version}, newer than this normkit reads ({FORMAT_VERSION})",
              "upgrade normkit")
     name = doc.get("estimator")
-    if name not in classes:
+    if not isinstance(name, str) or name not in classes:
         fail(f"holds an unknown estimator {name!r} (known: {sorted(classes)})")
     cls = classes[name]
     if expected is not None and cls is not expected:
         fail(f"holds a {name}, not a {expected.__name__}",
              f"use {name}.load(path) or normkit.preprocessing.load_scaler(path)")
     try:
-        est = cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in doc["params"].items()})
+        params = doc["params"]
+        if not isinstance(params, dict):
+            fail(f"has params that are not a mapping: {params!r}")
+        missing = sorted(set(cls().get_params()) - set(params))
+        if missing:       # (a default in their place could scale otherwise than fitted)
+            fail(f"lacks the params {missing}")
+        est = cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in params.items()})
+        est._check_flags()
+        if hasattr(est, "_range_bounds"):
+            est._range_bounds()
         n = doc["n_features_in"]
         names = doc["feature_names_in"]
         state = doc["state"]
     except KeyError as exc:
         fail(f"lacks the entry {exc.args[0]!r}")
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ScalerFileError):
+            raise
         fail(f"has invalid params ({exc})")
     if not isinstance(n, int) or n < 1:
         fail(f"has an invalid n_features_in {n!r}")

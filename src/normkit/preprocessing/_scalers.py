@@ -96,8 +96,26 @@ def _out_array(est, X, copy):
     return X
 
 
+class InvalidParameterError(ValueError, TypeError):
+    """A constructor parameter of a type or value the scaler cannot take (a ValueError and
+    a TypeError, as scikit-learn's own)."""
+
+
 class _ScalerBase(OneToOneFeatureMixin, TransformerMixin, BaseEstimator):
-    """Shared plumbing: Dask dispatch, persistence, tags."""
+    """Shared plumbing: Dask dispatch, persistence, tags, the flags' check."""
+
+    #: the parameters that take a bool (scikit-learn's "boolean" constraint)
+    _flags: tuple = ("copy",)
+
+    def _check_flags(self):
+        """Refuse a flag that is not a bool at fit, as scikit-learn does: a string or a
+        list would otherwise count as true."""
+        for name in self._flags:
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise InvalidParameterError(
+                    f"The {name!r} parameter of {type(self).__name__} must be a bool, got "
+                    f"{value!r} ({type(value).__name__}); pass True or False.")
 
     def save(self, path):
         """Write the fitted scaler to ``path`` as readable JSON (format version, feature names,
@@ -168,6 +186,8 @@ class StandardScaler(_ScalerBase):
     ([1.0, 1.0], [[-1.0, -1.0], [1.0, 1.0]])
     """
 
+    _flags = ("copy", "with_mean", "with_std")
+
     def __init__(self, *, copy=True, with_mean=True, with_std=True):
         self.copy = copy
         self.with_mean = with_mean
@@ -188,6 +208,7 @@ class StandardScaler(_ScalerBase):
     @dispatch
     def partial_fit(self, X, y=None, sample_weight=None):
         """Merge the statistics of the batch ``X`` into those seen so far."""
+        self._check_flags()
         if is_dask(X):
             from normkit.preprocessing import _dask
 
@@ -379,6 +400,8 @@ class MinMaxScaler(_ScalerBase):
     [0.0, 1.0, nan]
     """
 
+    _flags = ("copy", "clip")
+
     def __init__(self, feature_range=(0, 1), *, copy=True, clip=False):
         self.feature_range = feature_range
         self.copy = copy
@@ -415,6 +438,7 @@ class MinMaxScaler(_ScalerBase):
     @dispatch
     def partial_fit(self, X, y=None):
         """Merge the minimum and maximum of the batch ``X`` into those seen so far."""
+        self._check_flags()
         self._range_bounds()
         if is_dask(X):
             from normkit.preprocessing import _dask
