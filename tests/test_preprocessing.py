@@ -578,6 +578,9 @@ def test_corrupt_or_mismatched_files(tmp_path):
     (("feature_names_in",), ["a"], "1 feature names for n_features_in=2"),
     (("state", "mean_"), ["a", "b"], "non-numeric values in state.mean_"),
     (("state", "moments"), None, "lacks the entry state.moments"),           # (deleted)
+    (("state", "n_samples_seen_"), [3, 3], "state.n_samples_seen_ disagrees"),
+    (("state", "weighted"), "no", "state.weighted must be true or false"),
+    (("state", "n_samples_seen_"), -1, "n_samples_seen_ must be a count of rows, got -1"),
 ])
 def test_a_damaged_file_is_named_and_refused(tmp_path, where, value, said):
     """Every damage found by editing each entry of a saved file (to another type, or
@@ -587,7 +590,8 @@ def test_a_damaged_file_is_named_and_refused(tmp_path, where, value, said):
     path = tmp_path / "s.json"
     frame = pytest.importorskip("pandas").DataFrame(make_data((10, 2), np.float64),
                                                     columns=["a", "b"])
-    StandardScaler().fit(frame).save(path)
+    make = MinMaxScaler if "count of rows" in said else StandardScaler
+    make().fit(frame).save(path)
     doc = json.loads(path.read_text())
     node = doc
     for key in where[:-1]:

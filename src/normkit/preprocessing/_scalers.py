@@ -354,9 +354,12 @@ class StandardScaler(_ScalerBase):
         m = state["moments"]
         self._moments = Moments(check("moments.count", m["count"]), check("moments.mean", m["mean"]),
                                 check("moments.m2", m["m2"]), check("moments.shift", m["shift"]))
-        self._weighted = bool(state["weighted"])
+        if not isinstance(state["weighted"], bool):
+            raise ValueError(f"state.weighted must be true or false, got {state['weighted']!r}")
+        self._weighted = state["weighted"]
         self._set_attributes()
-        return {"mean_": self.mean_, "var_": self.var_, "scale_": self.scale_}
+        return {"mean_": self.mean_, "var_": self.var_, "scale_": self.scale_,
+                "n_samples_seen_": self._moments.count}
 
 
 class MinMaxScaler(_ScalerBase):
@@ -512,7 +515,10 @@ class MinMaxScaler(_ScalerBase):
         }
 
     def _set_state(self, state, check):
-        self.n_samples_seen_ = int(state["n_samples_seen_"])
+        n = state["n_samples_seen_"]
+        if type(n) is not int or n < 1:
+            raise ValueError(f"state.n_samples_seen_ must be a count of rows, got {n!r}")
+        self.n_samples_seen_ = n
         self.data_min_ = check("data_min_", state["data_min_"])
         self.data_max_ = check("data_max_", state["data_max_"])
         self._set_attributes()
