@@ -308,6 +308,13 @@ def test_errors_match_torch_types_and_carry_values():
         (lambda F: F.batch_norm(torch.randn(1, 3), torch.zeros(3), torch.ones(3), training=True),
          ValueError, "more than 1 value per channel"),
         (lambda F: F.group_norm(torch.randn(2, 4, 3), 3), RuntimeError, "divisible"),
+        # (normkit took True as 1 group, a (2, 2) weight as 4 channels' weights)
+        (lambda F: F.group_norm(torch.randn(2, 4, 3), True), TypeError, "got bool True"),
+        (lambda F: F.group_norm(torch.randn(2, 4, 3), 2.0), TypeError, "got float 2.0"),
+        (lambda F: F.group_norm(torch.randn(2, 4, 3), 2, torch.ones(2, 2)), RuntimeError,
+         r"weight to be a vector .* got weight of shape \[2, 2\]"),
+        (lambda F: (nknn if F is NF else torch.nn).GroupNorm(True, 4)(torch.randn(2, 4, 3)),
+         TypeError, "got bool True"),                               # (the layer's call)
         (lambda F: F.layer_norm(torch.randn(4, 3), [4]), RuntimeError, "normalized_shape"),
         (lambda F: F.rms_norm(torch.randn(4, 3), [4]), RuntimeError, "normalized_shape"),
         (lambda F: F.layer_norm(torch.randn(4, 3), 3), TypeError,

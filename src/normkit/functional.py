@@ -16,6 +16,7 @@ the output in the input's dtype.
 from __future__ import annotations
 
 import math
+import operator
 
 try:
     import torch
@@ -251,12 +252,22 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
                            f"{input.dim()} (size {_size(input.shape)}); group_norm expects "
                            f"(N, C, *)")
     c = input.shape[1]
+    if isinstance(num_groups, bool) or not hasattr(type(num_groups), "__index__"):
+        raise TypeError(f"group_norm(): num_groups must be an int, got "     # (as torch's)
+                        f"{type(num_groups).__name__} {num_groups!r}")
+    num_groups = operator.index(num_groups)
     if num_groups <= 0 or c % num_groups != 0:
         raise RuntimeError(
             f"Expected number of channels in input to be divisible by num_groups, but got "
             f"input of shape {_size(input.shape)} and num_groups={num_groups}; choose "
             f"num_groups among the divisors of {c}")
     _check_channels("group_norm", input, weight=weight, bias=bias)
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.dim() != 1:
+            raise RuntimeError(
+                f"Expected {name} to be a vector of size equal to the number of channels in "
+                f"input, but got {name} of shape {_size(p.shape)} and input of shape "
+                f"{_size(input.shape)}; pass a {name} of shape ({c},)")
     if _one_value_per_group(input, num_groups):
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size "

@@ -141,9 +141,11 @@ class GroupNorm(KeptPlan, nn.GroupNorm):
 
     def _build(self, x):
         """(node, None) of the plan for ``x`` (``KeptPlan``), None for an input the full path
-        must check (fewer than 2 dims, channels not num_channels, one value per group)."""
+        must check (fewer than 2 dims, channels not num_channels, one value per group,
+        num_groups no int)."""
         params = self._own_params()
-        if (params is None or x.dim() < 2 or x.shape[1] != self.num_channels
+        if (params is None or x.dim() < 2 or type(self.num_groups) is not int
+                or x.shape[1] != self.num_channels
                 or any(p is not None and p.numel() != self.num_channels for p in params)
                 or F._one_value_per_group(x, self.num_groups)):
             return None
