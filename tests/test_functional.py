@@ -315,6 +315,22 @@ def test_errors_match_torch_types_and_carry_values():
          r"weight to be a vector .* got weight of shape \[2, 2\]"),
         (lambda F: (nknn if F is NF else torch.nn).GroupNorm(True, 4)(torch.randn(2, 4, 3)),
          TypeError, "got bool True"),                               # (the layer's call)
+        (lambda F: F.instance_norm(torch.randn(2, 4, 3), weight=torch.ones(4, 1)), RuntimeError,
+         r"weight to be a vector .* shape \[4, 1\]"),
+        # flags that are no bool, integer parameters (normkit went by their truth, and
+        # took an integer weight as the float one)
+        (lambda F: F.batch_norm(torch.randn(4, 3), None, None, training=1), TypeError,
+         "argument 'training' must be bool, not int"),
+        (lambda F: F.batch_norm(torch.randn(4, 3), None, None, training=None), TypeError,
+         "not NoneType"),
+        (lambda F: F.instance_norm(torch.randn(2, 3, 4), use_input_stats="yes"), TypeError,
+         "argument 'use_input_stats' must be bool"),
+        (lambda F: F.batch_norm(torch.randn(4, 3), None, None, torch.ones(3, dtype=torch.int64),
+                                training=True), RuntimeError, "weight must be floating point"),
+        (lambda F: F.layer_norm(torch.randn(4, 3), [3], None, torch.zeros(3, dtype=torch.bool)),
+         RuntimeError, "layer_norm: bias must be floating point, got torch.bool"),
+        (lambda F: F.group_norm(torch.randn(2, 4, 3), 2, torch.ones(4, dtype=torch.int32)),
+         RuntimeError, "weight must be floating point"),
         (lambda F: F.layer_norm(torch.randn(4, 3), [4]), RuntimeError, "normalized_shape"),
         (lambda F: F.rms_norm(torch.randn(4, 3), [4]), RuntimeError, "normalized_shape"),
         (lambda F: F.layer_norm(torch.randn(4, 3), 3), TypeError,
@@ -345,6 +361,9 @@ def test_errors_match_torch_types_and_carry_values():
             call(TF)
         with pytest.raises(err, match=text):
             call(NF)
+    # torch's RMSNorm (composite ops) promotes an integer weight: so does normkit's
+    x, w = torch.randn(4, 3), torch.tensor([1, 2, 3])
+    torch.testing.assert_close(NF.rms_norm(x, [3], w), TF.rms_norm(x, [3], w))
 
 
 @pytest.mark.parametrize("dims, err, text", [

@@ -38,7 +38,35 @@ def _check_channels(op, input, running_mean=None, running_var=None, weight=None,
                 f"{name} should contain {c} elements not {p.numel()} (the input has {c} "
                 f"channels at dim 1); pass a {name} with {c} elements or fix the input's "
                 f"channel count")
+        if p is not None and not p.is_floating_point():
+            _refuse_dtype(op, name, p)
     return c
+
+
+def _refuse_dtype(op, name, p):
+    """An integer or bool parameter, which torch refuses ("mixed dtype"): normkit takes one
+    of another floating dtype than the input's (docs/architecture.md), not of these."""
+    raise RuntimeError(f"{op}: {name} must be floating point, got {p.dtype}; convert it, "
+                       f"e.g. {name}.float()")
+
+
+def _check_vectors(op, input, weight, bias):
+    """group_norm's and instance_norm's per-channel weight and bias are vectors (torch's
+    refuses others; a (2, 2) weight would pass for four channels' by its element count)."""
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.dim() != 1:
+            raise RuntimeError(
+                f"Expected {name} to be a vector of size equal to the number of channels in "
+                f"input, but got {name} of shape {_size(p.shape)} and input of shape "
+                f"{_size(input.shape)}; pass a {name} of shape ({input.shape[1]},)")
+
+
+def _check_flag(op, name, value):
+    """A bool argument (``training``, ``use_input_stats``) that is a bool, as torch's
+    binding requires: 1, None or 'x' would otherwise count by their truth."""
+    if type(value) is not bool:
+        raise TypeError(f"{op}(): argument '{name}' must be bool, not "
+                        f"{type(value).__name__} ({value!r}); pass True or False")
 
 
 def _check_running(op, running_mean, running_var):

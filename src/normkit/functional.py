@@ -27,8 +27,8 @@ except ModuleNotFoundError as error:   # (an optional dependency)
 
 from normkit import backends, ops
 from normkit import grouping as G
-from normkit._checks import (_check_channels, _check_floating, _check_running, _dims, _momentum,
-                             _size)
+from normkit._checks import (_check_channels, _check_flag, _check_floating, _check_running,
+                             _check_vectors, _dims, _momentum, _refuse_dtype, _size)
 from normkit.activation import resolve
 from normkit.ops import add_norm, apply_norm, cast_norm
 from normkit.backends import torch_ops
@@ -161,6 +161,7 @@ def _batch_norm(input, running_mean, running_var, weight, bias, training, moment
         raise ValueError(f"batch_norm expects an input of shape (N, C, *), got {input.dim()}D "
                          f"input of size {_size(input.shape)}; add a batch dim with unsqueeze(0)")
     _check_channels("batch_norm", input, running_mean, running_var, weight, bias)
+    _check_flag("batch_norm", "training", training)
     if not training and (running_mean is None or running_var is None):
         missing = "running_mean" if running_mean is None else "running_var"
         raise RuntimeError(f"{missing} must be defined in evaluation mode: batch_norm with "
@@ -214,6 +215,8 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
                          f"got {input.dim()}D input of size {_size(input.shape)}")
     c = _check_channels("instance_norm", input, running_mean=running_mean,
                         running_var=running_var, weight=weight, bias=bias)
+    _check_vectors("instance_norm", input, weight, bias)
+    _check_flag("instance_norm", "use_input_stats", use_input_stats)
     _check_running("instance_norm", running_mean, running_var)
     momentum = _momentum("instance_norm", momentum)
     grouping = _instance(input.shape)
@@ -262,12 +265,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             f"input of shape {_size(input.shape)} and num_groups={num_groups}; choose "
             f"num_groups among the divisors of {c}")
     _check_channels("group_norm", input, weight=weight, bias=bias)
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and p.dim() != 1:
-            raise RuntimeError(
-                f"Expected {name} to be a vector of size equal to the number of channels in "
-                f"input, but got {name} of shape {_size(p.shape)} and input of shape "
-                f"{_size(input.shape)}; pass a {name} of shape ({c},)")
+    _check_vectors("group_norm", input, weight, bias)
     if _one_value_per_group(input, num_groups):
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size "
@@ -285,7 +283,9 @@ def _one_value_per_group(input, num_groups) -> bool:
 
 def _check_normalized_shape(input, normalized_shape, weight, bias, op):
     """A floating input (``_check_floating``) whose trailing dims are ``normalized_shape``,
-    the shape of the given weight and bias; returns it as a tuple."""
+    the shape of the given weight and bias (floating point for the LayerNorms, as torch's;
+    torch's composite RMSNorm promotes an integer weight); returns it as a tuple."""
+    floating = "rms" not in op
     _check_floating(input, op)
     try:
         shape = tuple(normalized_shape)
@@ -294,8 +294,10 @@ def _check_normalized_shape(input, normalized_shape, weight, bias, op):
                         f"{type(normalized_shape).__name__} {normalized_shape!r}; for the "
                         f"last dim alone pass ({normalized_shape!r},)") from None
     k = len(shape)
-    if (k and input.shape[input.dim() - k:] == shape and (weight is None or weight.shape == shape)
-            and (bias is None or bias.shape == shape)):
+    if (k and input.shape[input.dim() - k:] == shape
+            and (weight is None or (weight.shape == shape
+                                    and (weight.is_floating_point() or not floating)))
+            and (bias is None or (bias.shape == shape and bias.is_floating_point()))):
         return shape                               # the usual case, without a conversion
     shape = tuple(_size(normalized_shape))
     k = len(shape)
@@ -310,6 +312,8 @@ def _check_normalized_shape(input, normalized_shape, weight, bias, op):
             raise RuntimeError(f"Expected {name} to be of same shape as normalized_shape, but "
                                f"got {name} of shape {_size(p.shape)} and normalized_shape = "
                                f"{list(shape)}")
+        if p is not None and floating and not p.is_floating_point():
+            _refuse_dtype(op, name, p)
     return shape
 
 
