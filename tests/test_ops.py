@@ -141,3 +141,17 @@ def test_no_autograd_function_without_grad():
     with torch.no_grad():
         assert ops.layer_norm(x, [8], torch.ones(8, requires_grad=True)).grad_fn is None
     assert ops.layer_norm(x, [8]).grad_fn is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", [n for n in _NAMES if n.startswith("norm_")])
+def test_the_decompositions_equal_the_core_ops(name, dtype):
+    """``normkit.ops.decompositions()`` (what ``run_decompositions`` swaps in, for ONNX and
+    AOTInductor) computes what each core op computes; the backward's had no other test (an
+    exported training graph holds it)."""
+    (_, op, args, kwargs), = [c for c in _cases(dtype) if c[0] == name]
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    decomposed = normkit.ops.decompositions()[op.default](*args, **kwargs)
+    for got, want in zip(decomposed, op(*args, **kwargs)):
+        tol = {} if dtype != torch.bfloat16 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got, want, **tol)
