@@ -605,6 +605,46 @@ def test_a_damaged_file_is_named_and_refused(tmp_path, where, value, said):
         load_scaler(path)
 
 
+def _entries(doc, at=()):
+    """The path of every entry of a scaler file (a list's first two items)."""
+    items = doc.items() if isinstance(doc, dict) else (
+        enumerate(doc[:2]) if isinstance(doc, list) else ())
+    for key, value in items:
+        yield at + (key,)
+        yield from _entries(value, at + (key,))
+
+
+@pytest.mark.parametrize("make", [StandardScaler, MinMaxScaler])
+def test_every_entry_damaged_gives_the_files_error_or_a_scaler_that_works(tmp_path, make):
+    """Each entry of a saved file (named features), replaced by a value of another kind or
+    deleted: loading raises ScalerFileError, or gives a scaler that transforms."""
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame(make_data((10, 3), np.float64), columns=["a", "b", "c"])
+    path = tmp_path / "s.json"
+    make().fit(frame).save(path)
+    good = json.loads(path.read_text())
+    junk = [None, 0, -1, 1.5, "x", [], {}, [1, 2], ["a"], True, 1e308, {"a": 1}, "DELETE"]
+    for where in list(_entries(good)):
+        for value in junk:
+            doc = json.loads(json.dumps(good))
+            node = doc
+            for key in where[:-1]:
+                node = node[key]
+            if value == "DELETE":
+                del node[where[-1]]
+            else:
+                node[where[-1]] = value
+            path.write_text(json.dumps(doc))
+            with warnings.catch_warnings():     # (1e308 overflows on the way to refusal)
+                warnings.simplefilter("ignore", RuntimeWarning)
+                try:
+                    scaler = load_scaler(path)
+                except ScalerFileError:
+                    continue
+                if where[0] != "feature_names_in":   # (renamed features: sklearn's refusal)
+                    scaler.transform(frame)
+
+
 @pytest.mark.parametrize("make, name, value", [
     (lambda v: StandardScaler(with_mean=v), "with_mean", "x"),
     (lambda v: StandardScaler(with_std=v), "with_std", [1]),
