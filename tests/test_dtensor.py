@@ -172,11 +172,10 @@ def _check_fsdp1_keeps_batchnorm_fp32():
     assert seen["ours"] == seen["theirs"] == (torch.float32,) * 3, seen
 
 
-FSDP_CASES = [("FSDP2", None), ("FSDP2 bf16", torch.bfloat16), ("FSDP2 bf16 BatchNorm",),
-              ("FSDP1 bf16",)]
-_FSDP_CHECKS = {"FSDP2": _check_fsdp2, "FSDP2 bf16": _check_fsdp2,
-                "FSDP2 bf16 BatchNorm": _check_fsdp2_batchnorm,
-                "FSDP1 bf16": _check_fsdp1_keeps_batchnorm_fp32}
+# name -> (check, its arguments)
+FSDP_CASES = {"FSDP2": (_check_fsdp2, None), "FSDP2 bf16": (_check_fsdp2, torch.bfloat16),
+              "FSDP2 bf16 BatchNorm": (_check_fsdp2_batchnorm,),
+              "FSDP1 bf16": (_check_fsdp1_keeps_batchnorm_fp32,)}
 
 
 def _worker(rank, world, port, out_dir):
@@ -184,18 +183,14 @@ def _worker(rank, world, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     verdicts = {}
-    for case in CASES:
+    checks = [(str(case), _check, case) for case in CASES]
+    checks += [(name, check, args) for name, (check, *args) in FSDP_CASES.items()]
+    for name, check, args in checks:
         try:
-            _check(*case)
-            verdicts[str(case)] = "ok"
+            check(*args)
+            verdicts[name] = "ok"
         except Exception:  # report, keep going: the other rank runs the same checks
-            verdicts[str(case)] = traceback.format_exc()
-    for case in FSDP_CASES:
-        try:
-            _FSDP_CHECKS[case[0]](*case[1:])
-            verdicts[str(case)] = "ok"
-        except Exception:
-            verdicts[str(case)] = traceback.format_exc()
+            verdicts[name] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(verdicts, f)
     dist.destroy_process_group()
@@ -218,6 +213,6 @@ def test_layers_on_sharded_dtensors_and_under_fsdp_equal_torch(tmp_path):
         path = tmp_path / f"rank{r}.json"
         assert path.exists(), f"rank {r} wrote no results (exit code {procs[r].exitcode})"
         verdicts = json.loads(path.read_text())
-        assert set(verdicts) == {str(c) for c in CASES + FSDP_CASES}
+        assert set(verdicts) == {str(c) for c in CASES} | set(FSDP_CASES)
         failed = {k: v for k, v in verdicts.items() if v != "ok"}
         assert not failed, f"rank {r}: " + "\n".join(f"{k}:\n{v}" for k, v in failed.items())

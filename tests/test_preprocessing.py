@@ -569,7 +569,7 @@ def test_corrupt_or_mismatched_files(tmp_path):
 @pytest.mark.parametrize("where, value, said", [
     (("estimator",), ["StandardScaler"], "unknown estimator"),
     (("params",), [1, 2], "params that are not a mapping"),
-    (("params", "with_mean"), None, r"lacks the params \['with_mean'\]"),   # (deleted)
+    (("params", "with_mean"), "DELETE", r"lacks the params \['with_mean'\]"),
     (("params", "with_std"), "no", "'with_std' parameter of StandardScaler must be a bool"),
     (("params", "copy"), [True], "'copy' parameter"),
     (("params", "offset"), 1.0, "unexpected keyword argument 'offset'"),
@@ -577,7 +577,7 @@ def test_corrupt_or_mismatched_files(tmp_path):
     (("feature_names_in",), ["a", 1], "not a list of strings"),
     (("feature_names_in",), ["a"], "1 feature names for n_features_in=2"),
     (("state", "mean_"), ["a", "b"], "non-numeric values in state.mean_"),
-    (("state", "moments"), None, "lacks the entry state.moments"),           # (deleted)
+    (("state", "moments"), "DELETE", "lacks the entry state.moments"),
     (("state", "n_samples_seen_"), [3, 3], "state.n_samples_seen_ disagrees"),
     (("state", "weighted"), "no", "state.weighted must be true or false"),
     (("state", "n_samples_seen_"), -1, "n_samples_seen_ must be a count of rows, got -1"),
@@ -592,17 +592,23 @@ def test_a_damaged_file_is_named_and_refused(tmp_path, where, value, said):
                                                     columns=["a", "b"])
     make = MinMaxScaler if "count of rows" in said else StandardScaler
     make().fit(frame).save(path)
-    doc = json.loads(path.read_text())
+    path.write_text(json.dumps(_damaged(json.loads(path.read_text()), where, value)))
+    with pytest.raises(ScalerFileError, match=said):
+        load_scaler(path)
+
+
+def _damaged(doc, where, value):
+    """A copy of the file's ``doc`` with the entry at the path ``where`` set to ``value``
+    (``"DELETE"``: deleted)."""
+    doc = json.loads(json.dumps(doc))
     node = doc
     for key in where[:-1]:
         node = node[key]
-    if value is None:
+    if value == "DELETE":
         del node[where[-1]]
     else:
         node[where[-1]] = value
-    path.write_text(json.dumps(doc))
-    with pytest.raises(ScalerFileError, match=said):
-        load_scaler(path)
+    return doc
 
 
 def _entries(doc, at=()):
@@ -626,15 +632,7 @@ def test_every_entry_damaged_gives_the_files_error_or_a_scaler_that_works(tmp_pa
     junk = [None, 0, -1, 1.5, "x", [], {}, [1, 2], ["a"], True, 1e308, {"a": 1}, "DELETE"]
     for where in list(_entries(good)):
         for value in junk:
-            doc = json.loads(json.dumps(good))
-            node = doc
-            for key in where[:-1]:
-                node = node[key]
-            if value == "DELETE":
-                del node[where[-1]]
-            else:
-                node[where[-1]] = value
-            path.write_text(json.dumps(doc))
+            path.write_text(json.dumps(_damaged(good, where, value)))
             with warnings.catch_warnings():     # (1e308 overflows on the way to refusal)
                 warnings.simplefilter("ignore", RuntimeWarning)
                 try:

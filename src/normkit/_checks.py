@@ -94,17 +94,24 @@ def _momentum(op, momentum, allowed="a number") -> float:
     return float(momentum)
 
 
+def _index(value):
+    """``value`` as an int (a NumPy or 0-d tensor int too), or None: a bool, or no int
+    (torch's bindings refuse both where they take an int)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _dims(op, dims, nd) -> tuple:
     """``dims`` (an int, or an iterable of ints) as a tuple of dims of an ``nd``-D input,
     each named once; a TypeError or ValueError with the values and the fix otherwise."""
-    def index(d):
-        return operator.index(d) if not isinstance(d, bool) else None
-
-    try:
-        out = (index(dims),)                       # one int (a NumPy or 0-d tensor int too)
-    except TypeError:
+    out = (_index(dims),)                          # one int
+    if out == (None,):
         try:
-            out = tuple(index(d) for d in dims)    # a sequence, set, range, array, tensor
+            out = tuple(_index(d) for d in dims)   # a sequence, set, range, array, tensor
         except TypeError:
             out = (None,)
     if None in out:

@@ -16,7 +16,6 @@ the output in the input's dtype.
 from __future__ import annotations
 
 import math
-import operator
 
 try:
     import torch
@@ -28,7 +27,7 @@ except ModuleNotFoundError as error:   # (an optional dependency)
 from normkit import backends, ops
 from normkit import grouping as G
 from normkit._checks import (_check_channels, _check_flag, _check_floating, _check_running,
-                             _check_vectors, _dims, _momentum, _refuse_dtype, _size)
+                             _check_vectors, _dims, _index, _momentum, _refuse_dtype, _size)
 from normkit.activation import resolve
 from normkit.ops import add_norm, apply_norm, cast_norm
 from normkit.backends import torch_ops
@@ -255,10 +254,11 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
                            f"{input.dim()} (size {_size(input.shape)}); group_norm expects "
                            f"(N, C, *)")
     c = input.shape[1]
-    if isinstance(num_groups, bool) or not hasattr(type(num_groups), "__index__"):
-        raise TypeError(f"group_norm(): num_groups must be an int, got "     # (as torch's)
+    groups = _index(num_groups)
+    if groups is None:                                               # (as torch's)
+        raise TypeError(f"group_norm(): num_groups must be an int, got "
                         f"{type(num_groups).__name__} {num_groups!r}")
-    num_groups = operator.index(num_groups)
+    num_groups = groups
     if num_groups <= 0 or c % num_groups != 0:
         raise RuntimeError(
             f"Expected number of channels in input to be divisible by num_groups, but got "

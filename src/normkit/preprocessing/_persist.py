@@ -109,9 +109,7 @@ def load(path, classes, expected=None):
         if missing:       # (a default in their place could scale otherwise than fitted)
             fail(f"lacks the params {missing}")
         est = cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in params.items()})
-        est._check_flags()
-        if hasattr(est, "_range_bounds"):
-            est._range_bounds()
+        est._check_params()
         n = doc["n_features_in"]
         names = doc["feature_names_in"]
         state = doc["state"]

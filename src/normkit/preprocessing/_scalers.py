@@ -102,14 +102,15 @@ class InvalidParameterError(ValueError, TypeError):
 
 
 class _ScalerBase(OneToOneFeatureMixin, TransformerMixin, BaseEstimator):
-    """Shared plumbing: Dask dispatch, persistence, tags, the flags' check."""
+    """Shared plumbing: Dask dispatch, persistence, tags, the parameters' check."""
 
     #: the parameters that take a bool (scikit-learn's "boolean" constraint)
     _flags: tuple = ("copy",)
 
-    def _check_flags(self):
-        """Refuse a flag that is not a bool at fit, as scikit-learn does: a string or a
-        list would otherwise count as true."""
+    def _check_params(self):
+        """Refuse, at fit and at load, a parameter the scaler cannot take, as scikit-learn
+        does: a flag that is not a bool (a string or a list would otherwise count as
+        true)."""
         for name in self._flags:
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
@@ -208,7 +209,7 @@ class StandardScaler(_ScalerBase):
     @dispatch
     def partial_fit(self, X, y=None, sample_weight=None):
         """Merge the statistics of the batch ``X`` into those seen so far."""
-        self._check_flags()
+        self._check_params()
         if is_dask(X):
             from normkit.preprocessing import _dask
 
@@ -415,6 +416,10 @@ class MinMaxScaler(_ScalerBase):
             if hasattr(self, name):
                 delattr(self, name)
 
+    def _check_params(self):
+        super()._check_params()
+        self._range_bounds()
+
     def _range_bounds(self):
         fr = self.feature_range
         ok = (isinstance(fr, (tuple, list)) and len(fr) == 2
@@ -441,8 +446,7 @@ class MinMaxScaler(_ScalerBase):
     @dispatch
     def partial_fit(self, X, y=None):
         """Merge the minimum and maximum of the batch ``X`` into those seen so far."""
-        self._check_flags()
-        self._range_bounds()
+        self._check_params()
         if is_dask(X):
             from normkit.preprocessing import _dask
 
