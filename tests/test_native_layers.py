@@ -15,6 +15,7 @@ pytest.importorskip("numba")
 import normkit.functional as NF  # noqa: E402
 import normkit.nn as nknn  # noqa: E402
 from normkit.backends.cpu import native  # noqa: E402
+from normkit.nn._kept import KeptPlan  # noqa: E402
 
 if not native.enabled():
     pytest.skip("NORMKIT_NATIVE=0: the C++ node is switched off", allow_module_level=True)
@@ -248,3 +249,39 @@ def test_rms_norm_layer_with_an_offset_or_a_casting_takes_the_full_path():
         torch.testing.assert_close(y, NF.rms_norm(x, (16,), layer.weight, offset=1.0,
                                                   casting="gemma"), rtol=0, atol=0)
     assert "_plan" not in layer.__dict__                       # nothing kept
+
+
+INFERENCE = {
+    "batch": (lambda m: m.BatchNorm2d(6), (3, 6, 5, 4)),
+    "instance": (lambda m: m.InstanceNorm2d(6, affine=True, track_running_stats=True),
+                 (3, 6, 5, 4)),
+    **PER_SAMPLE,
+}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("name", list(INFERENCE))
+def test_layers_under_inference_mode_are_torchs(name, layout):
+    # serving code runs models under torch.inference_mode(): the layers (and their kept
+    # plans) take those calls (inference tensors in and out, no autograd), in training mode too, where the
+    # running statistics (ordinary tensors) are updated in place as torch's are
+    make, shape = INFERENCE[name]
+    torch.manual_seed(0)
+    ours, theirs = make(nknn), make(torch.nn)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(shape)
+    if layout == "channels_last" and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    for training in (True, False):
+        ours.train(training), theirs.train(training)
+        with torch.inference_mode():
+            y, ty = ours(x * 2 + 1), theirs(x * 2 + 1)
+        assert y.is_inference() and not y.requires_grad
+        torch.testing.assert_close(y, ty)
+        torch.testing.assert_close(ours.state_dict(), theirs.state_dict())
+    if isinstance(ours, KeptPlan):                             # (InstanceNorm keeps none)
+        plans = [v for k, v in vars(ours).items() if k in ("_plan", "_eval_plan",
+                                                           "_train_plan")]
+        assert plans and all(hasattr(found[0], "apply") for _, found in plans)
