@@ -78,26 +78,31 @@ def silu_grad(g, z, one):
     return g * (s * (one + z * (one - s)))
 
 
+@register_jitable(inline="always")
 def affine_scalar_clamp(x, mean_hi, mean_lo, scale, shift, zero, slope, top, leaky):
     """``clamp(affine_scalar(..))``: the NCHW planes forward with relu, relu6, leaky_relu."""
     return clamp(((x - mean_hi) - mean_lo) * scale + shift, zero, slope, top, leaky)
 
 
+@register_jitable(inline="always")
 def affine_scalar_silu(x, mean_hi, mean_lo, scale, shift, one):
     """``silu(affine_scalar(..))``."""
     return silu(((x - mean_hi) - mean_lo) * scale + shift, one)
 
 
+@register_jitable(inline="always")
 def affine_per_channel_clamp(x, mean, scale, shift, zero, slope, top, leaky):
     """``clamp(affine_per_channel(..))``: the rows-of-channels forward with an activation."""
     return clamp((x - mean) * scale + shift, zero, slope, top, leaky)
 
 
+@register_jitable(inline="always")
 def affine_per_channel_silu(x, mean, scale, shift, one):
     """``silu(affine_per_channel(..))``."""
     return silu((x - mean) * scale + shift, one)
 
 
+@register_jitable(inline="always")
 def dx_rows_planes_clamp(g, x, w, mean, rstd, c_var, c_mean, shift, zero, slope, top, leaky):
     """``dx_rows_planes`` of BatchNorm followed by ``clamp``: ``g`` replaced by
     ``g' = g * clamp'(z)``, ``z = xhat * w + b`` recomputed (``shift``: the plane's b)."""
@@ -106,6 +111,7 @@ def dx_rows_planes_clamp(g, x, w, mean, rstd, c_var, c_mean, shift, zero, slope,
     return (gp * w - c_mean - xhat * c_var) * rstd
 
 
+@register_jitable(inline="always")
 def dx_rows_planes_silu(g, x, w, mean, rstd, c_var, c_mean, shift, one):
     """``dx_rows_planes`` of BatchNorm followed by SiLU (see ``dx_rows_planes_clamp``)."""
     xhat = (x - mean) * rstd
@@ -113,6 +119,7 @@ def dx_rows_planes_silu(g, x, w, mean, rstd, c_var, c_mean, shift, one):
     return (gp * w - c_mean - xhat * c_var) * rstd
 
 
+@register_jitable(inline="always")
 def dx_per_channel_clamp(g, x, mean, scale_g, scale_x, offset, shift, zero, slope, top, leaky):
     """``dx_per_channel`` with ``g' = g * clamp'(z)``, ``z = (x - mean) * (rstd * w) + b``
     (``scale_g = rstd * w``, ``shift = b``: the forward's z, bit for bit)."""
@@ -121,6 +128,7 @@ def dx_per_channel_clamp(g, x, mean, scale_g, scale_x, offset, shift, zero, slop
     return gp * scale_g - d * scale_x - offset
 
 
+@register_jitable(inline="always")
 def dx_per_channel_silu(g, x, mean, scale_g, scale_x, offset, shift, one):
     """``dx_per_channel`` with ``g' = g * silu'(z)`` (see ``dx_per_channel_clamp``)."""
     d = x - mean

@@ -42,10 +42,13 @@ from numba.extending import overload, register_jitable
 from normkit.backends.cpu.half import SUM_RUN, accumulate, copy, like, load, store
 from normkit.backends.cpu.moments import plane_merge, split_mean, two_pass
 from normkit.backends.cpu.rows import JIT
-from normkit.backends.cpu.act_stores import (ACT_SILU, clamp, clamp_grad, silu,
-                                             silu_grad, store_affine_scalar_act,
+from normkit.backends.cpu.act_stores import (ACT_SILU, affine_scalar_clamp, affine_scalar_silu,
+                                             clamp_grad, dx_rows_planes_clamp,
+                                             dx_rows_planes_silu, silu_grad,
+                                             store_affine_scalar_act,
                                              store_dx_rows_planes_act)
-from normkit.backends.cpu.stores import fence, store_affine_scalar, store_dx_rows_planes
+from normkit.backends.cpu.stores import (affine_scalar, dx_rows_planes, fence,
+                                         store_affine_scalar, store_dx_rows_planes)
 
 __all__ = ["channels_backward", "channels_fixed", "channels_forward", "channels_small",
            "channels_small_backward", "planes_backward", "planes_forward", "planes_small",
@@ -129,12 +132,13 @@ def _act_plane_sums(gb, xb, mu, rs, wb, act, sdt):
 
 
 def _small_store(yr, xr, coefs, act):
-    """``y = act(((x - mean_hi) - mean_lo) * scale + shift)`` over one small plane in a
-    plain loop; without ``act`` where it is None (chosen when compiling: the loop of no
-    activation has none of its code, which in the same body, not run, made an eval
-    (64, 32, 8, 8) call on 2 threads take 22 us, not 18), else one loop per formula
-    chosen outside it (a branch on the activation inside keeps LLVM from vectorizing the
-    loop: (16, 256, 14, 14) eval with relu ran 6x slower than without)."""
+    """``y = act(((x - mean_hi) - mean_lo) * scale + shift)`` (``stores.affine_scalar``,
+    its ``act_stores`` variants) over one small plane in a plain loop; without ``act``
+    where it is None (chosen when compiling: the loop of no activation has none of its
+    code, which in the same body, not run, made an eval (64, 32, 8, 8) call on 2 threads
+    take 22 us, not 18), else one loop per formula chosen outside it (a branch on the
+    activation inside keeps LLVM from vectorizing the loop: (16, 256, 14, 14) eval with
+    relu ran 6x slower than without)."""
 
 
 @overload(_small_store, inline="always")
@@ -147,7 +151,7 @@ def _small_store_impl(yr, xr, coefs, act):
 def _small_store_plain(yr, xr, coefs, act):
     mh, ml, scale, shift = coefs
     for i in range(xr.shape[0]):
-        store(yr, i, ((load(xr, i) - mh) - ml) * scale + shift)
+        store(yr, i, affine_scalar(load(xr, i), mh, ml, scale, shift))
 
 
 def _small_store_act(yr, xr, coefs, act):
@@ -155,20 +159,21 @@ def _small_store_act(yr, xr, coefs, act):
     code, cl, si = act
     if code == ACT_SILU:
         for i in range(xr.shape[0]):
-            store(yr, i, silu(((load(xr, i) - mh) - ml) * scale + shift, si[0]))
+            store(yr, i, affine_scalar_silu(load(xr, i), mh, ml, scale, shift, si[0]))
     else:
         zero, slope, top, leaky = cl[0], cl[1], cl[2], cl[3]
         for i in range(xr.shape[0]):
-            store(yr, i, clamp(((load(xr, i) - mh) - ml) * scale + shift, zero, slope, top,
-                               leaky))
+            store(yr, i, affine_scalar_clamp(load(xr, i), mh, ml, scale, shift, zero, slope,
+                                             top, leaky))
 
 
 def _small_dx(dr, gr, xr, coefs, act):
-    """``dx = (g' * w - c_mean - xhat * c_var) * rstd`` over one small plane in a plain
-    loop, ``coefs = (mean, rstd, w, b, c_mean, c_var)``: g' = g where ``act`` is None
-    (chosen when compiling: the activation's loops in the same body, not run, made a
-    (8, 64, 8, 8) training call 4-9 % slower), else g * act'(z), z = xhat * w + b, one
-    loop per formula (see ``_small_store``)."""
+    """``dx = (g' * w - c_mean - xhat * c_var) * rstd`` (``stores.dx_rows_planes``, its
+    ``act_stores`` variants) over one small plane in a plain loop, ``coefs = (mean, rstd,
+    w, b, c_mean, c_var)``: g' = g where ``act`` is None (chosen when compiling: the
+    activation's loops in the same body, not run, made a (8, 64, 8, 8) training call 4-9 %
+    slower), else g * act'(z), z = xhat * w + b, one loop per formula (see
+    ``_small_store``)."""
 
 
 @overload(_small_dx, inline="always")
@@ -181,7 +186,7 @@ def _small_dx_impl(dr, gr, xr, coefs, act):
 def _small_dx_plain(dr, gr, xr, coefs, act):
     mu, rs, wc, _, c_mean, c_var = coefs
     for i in range(xr.shape[0]):
-        store(dr, i, (load(gr, i) * wc - c_mean - ((load(xr, i) - mu) * rs) * c_var) * rs)
+        store(dr, i, dx_rows_planes(load(gr, i), load(xr, i), wc, mu, rs, c_var, c_mean))
 
 
 def _small_dx_act(dr, gr, xr, coefs, act):
@@ -189,15 +194,13 @@ def _small_dx_act(dr, gr, xr, coefs, act):
     code, cl, si = act
     if code == ACT_SILU:
         for i in range(xr.shape[0]):
-            xh = (load(xr, i) - mu) * rs
-            gi = silu_grad(load(gr, i), xh * wc + bc, si[0])
-            store(dr, i, (gi * wc - c_mean - xh * c_var) * rs)
+            store(dr, i, dx_rows_planes_silu(load(gr, i), load(xr, i), wc, mu, rs, c_var,
+                                             c_mean, bc, si[0]))
     else:
         zero, slope, top, leaky = cl[0], cl[1], cl[2], cl[3]
         for i in range(xr.shape[0]):
-            xh = (load(xr, i) - mu) * rs
-            gi = clamp_grad(load(gr, i), xh * wc + bc, zero, slope, top, leaky)
-            store(dr, i, (gi * wc - c_mean - xh * c_var) * rs)
+            store(dr, i, dx_rows_planes_clamp(load(gr, i), load(xr, i), wc, mu, rs, c_var,
+                                              c_mean, bc, zero, slope, top, leaky))
 
 
 @njit(inline="always")   # inlined: see cpu.rows.JIT
@@ -447,8 +450,8 @@ def planes_small(x, y, w, b, eps, groups, fixed, stats, lo, hi):
     """Instance/GroupNorm forward on small planes (``tuning.SMALL_PLANE``): the units
     [lo, hi) (sample, group) of x: (N, C, S), each by ``moments.two_pass`` over its C/groups
     planes as one row (a unit is contiguous memory; LayerNorm's row moments), or the given
-    statistics, then the formula of ``planes_forward`` in one plain loop. stats per unit,
-    (N * groups,)."""
+    statistics, then the formula of ``planes_forward`` in one plain loop per plane
+    (``_small_store``). stats per unit, (N * groups,)."""
     mean, rstd, var = stats
     n_, c_, s_ = x.shape
     cg = c_ // groups
@@ -466,10 +469,7 @@ def planes_small(x, y, w, b, eps, groups, fixed, stats, lo, hi):
             mh, ml = split_mean(estimate, correction, mean)
             mean[u], rstd[u], var[u] = mh, rs, v
         for c in range(c0, c0 + cg):
-            scale, shift = rs * w[c], b[c]
-            xr, yr = x[n, c], y[n, c]
-            for i in range(s_):
-                store(yr, i, ((load(xr, i) - mh) - ml) * scale + shift)
+            _small_store(y[n, c], x[n, c], (mh, ml, rs * w[c], b[c]), None)
 
 
 @njit(**JIT)
@@ -483,4 +483,5 @@ def planes_small_backward(g, x, w, stats, groups, center, fixed, dx, sums, lo, h
         for c in range(c0, c0 + cg):
             gr, xr, dr, wc = g[n, c], x[n, c], dx[n, c], w[c]
             for i in range(s_):
-                store(dr, i, (load(gr, i) * wc - c_mean - ((load(xr, i) - mu) * rs) * c_var) * rs)
+                store(dr, i, dx_rows_planes(load(gr, i), load(xr, i), wc, mu, rs, c_var,
+                                            c_mean))

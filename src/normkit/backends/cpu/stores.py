@@ -2,7 +2,9 @@
 
 An output of the kernels is ``dst[i] = formula(a_1[i], .., a_n[i], s_1, .., s_m)`` over a
 contiguous span, for arrays ``a`` and scalars ``s``. Each formula is a plain Python
-function of numbers (the six below). ``span_store(formula)`` makes from it the one
+function of numbers (the six below), registered with ``register_jitable(inline="always")``
+(which returns the function itself), so jitted code calls it inlined: the plain loops of
+small planes (``planes``) do. ``span_store(formula)`` makes from it the one
 driver the rows and NCHW planes kernels call, ``store(dst, arrays, scalars, prefetch,
 stream)``, in place of a plain loop, a streamed twin and a prefetching walk per formula:
 
@@ -49,6 +51,7 @@ __all__ = ["add", "affine_per_channel", "affine_per_element", "affine_scalar",
 
 # ---- the output formulas ----------------------------------------------------------------
 
+@register_jitable(inline="always")
 def add(x, r):
     """The residual add of ``add_layer_norm`` / ``add_rms_norm``: ``h = x + r``, and in
     their backward ``dh = dh + gh`` (the norm's gradient, rounded, plus h's own, as
@@ -56,12 +59,14 @@ def add(x, r):
     return x + r
 
 
+@register_jitable(inline="always")
 def affine_per_element(x, w, b, mean_hi, mean_lo, rstd):
     """Rows forward: ``y = ((x - mean_hi) - mean_lo) * (rstd * w) + b``, the row's mean
     as ``moments.split_mean`` gives it, w and b per element."""
     return ((x - mean_hi) - mean_lo) * (rstd * w) + b
 
 
+@register_jitable(inline="always")
 def affine_scalar(x, mean_hi, mean_lo, scale, shift):
     """NCHW planes forward: ``y = ((x - mean_hi) - mean_lo) * scale + shift`` with
     ``scale = rstd * w[c]`` and ``shift = b[c]`` of the plane's channel (the mean as
@@ -69,6 +74,7 @@ def affine_scalar(x, mean_hi, mean_lo, scale, shift):
     return ((x - mean_hi) - mean_lo) * scale + shift
 
 
+@register_jitable(inline="always")
 def affine_per_channel(x, mean, scale, shift):
     """channels_last forward: ``y = (x - mean) * scale + shift``, all per-channel rows.
     (Folding the mean into the shift would round ``x * scale`` at the scale of the
@@ -76,6 +82,7 @@ def affine_per_channel(x, mean, scale, shift):
     return (x - mean) * scale + shift
 
 
+@register_jitable(inline="always")
 def dx_rows_planes(g, x, w, mean, rstd, c_var, c_mean):
     """Rows and NCHW planes backward, ``w`` per element (rows) or the plane's ``w[c]``::
 
@@ -86,6 +93,7 @@ def dx_rows_planes(g, x, w, mean, rstd, c_var, c_mean):
     return (g * w - c_mean - ((x - mean) * rstd) * c_var) * rstd
 
 
+@register_jitable(inline="always")
 def dx_per_channel(g, x, mean, scale_g, scale_x, offset):
     """channels_last backward, the same dx with its coefficients per (n, c) folded::
 
@@ -308,10 +316,11 @@ _SLICES = {
 
 
 def _apply(formula):
-    """``formula`` of one tuple of its arguments, ``apply(t) = formula(*t)`` written out
-    for its number of arguments, both inlined: a call per element that numba does not
-    inline keeps LLVM from vectorizing the loop (and numba inlines no ``*args`` call)."""
-    f = register_jitable(inline="always")(formula)
+    """``formula`` (registered where it is defined: see the module docstring) of one tuple
+    of its arguments, ``apply(t) = formula(*t)`` written out for its number of arguments,
+    both inlined: a call per element that numba does not inline keeps LLVM from
+    vectorizing the loop (and numba inlines no ``*args`` call)."""
+    f = formula
     calls = {
         2: lambda t: f(t[0], t[1]),
         4: lambda t: f(t[0], t[1], t[2], t[3]),
