@@ -12,7 +12,7 @@ from _cpu_cases import DTYPES, threaded  # noqa: E402,F401 -- fixture by name
 from numba import errors, njit  # noqa: E402
 import torch  # noqa: E402
 from normkit import grouping as G  # noqa: E402
-from normkit.backends.cpu import plans, stores, tuning  # noqa: E402
+from normkit.backends.cpu import plans, rows, stores, tuning  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("threaded")
 
@@ -70,6 +70,46 @@ def test_streamed_and_prefetched_spans_match_the_plain_ones(dtype):
                         out.append(dst.view(np.uint8))
                 for other in out[1:]:
                     assert np.array_equal(out[0], other), (dtype, kind, lo, n)
+
+
+@njit
+def _row(kind, dst, xs, gs, ws, bs, scalars, stream):
+    """A row's y (kind 0) or dx (kind 2) as the rows kernels write it (``rows._row_out``,
+    ``_row_dx``: a plain loop of the formula below ``tuning.SMALL_ROW`` elements), and
+    through the formula's driver (kinds 1, 3)."""
+    a, b, c, d = scalars
+    if kind == 0:
+        rows._row_out(dst, xs, ws, bs, (a, b, c), xs[:0], stream)
+    elif kind == 1:
+        stores.store_affine_per_element(dst, (xs, ws, bs), (a, b, c), (xs[:0], xs[:0]), stream)
+    elif kind == 2:
+        rows._row_dx(dst, gs, xs, ws, (a, c, b, d), (gs[:0], xs[:0]), stream)
+    else:
+        stores.store_dx_rows_planes(dst, (gs, xs, ws), (a, c, b, d), (gs[:0], xs[:0]), stream)
+    if stream:
+        stores.fence()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.uint16], ids=str)
+def test_short_rows_plain_loops_match_the_drivers(dtype):
+    # rows shorter than tuning.SMALL_ROW skip the store driver for a plain loop of the same
+    # formula: the same bits as the driver, plain or streamed, on either side of the bound
+    rng = np.random.default_rng(1)
+    n_max = tuning.SMALL_ROW + 9
+    if dtype == np.uint16:                                         # bfloat16 bits
+        x, g = (rng.integers(0x3C00, 0x4400, n_max).astype(dtype) for _ in range(2))
+        w, bb = (rng.standard_normal(n_max).astype(np.float32) for _ in range(2))
+    else:
+        x, g, w, bb = (rng.standard_normal(n_max).astype(dtype) for _ in range(4))
+    scalars = tuple(w.dtype.type(v) for v in (0.75, -1.5, 2.25, 0.125))
+    for n in (0, 1, 7, 8, 17, 64, tuning.SMALL_ROW - 1, tuning.SMALL_ROW, n_max):
+        for kernel, driver in ((0, 1), (2, 3)):
+            out = []
+            for kind, stream in ((kernel, False), (driver, False), (driver, True)):
+                dst = np.zeros(n, dtype)
+                _row(kind, dst, x[:n], g[:n], w[:n], bb[:n], scalars, stream)
+                out.append(dst.view(np.uint8))
+            assert np.array_equal(out[0], out[1]) and np.array_equal(out[0], out[2]), (n, kernel)
 
 
 def test_streamed_stores_reject_other_arrays():

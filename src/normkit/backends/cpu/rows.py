@@ -36,10 +36,11 @@ from numba import njit, types
 from numba.extending import overload
 
 from normkit._numba_cache import can_cache
-from normkit.backends.cpu.half import SUM_RUN, accumulate, like, load
+from normkit.backends.cpu.half import SUM_RUN, accumulate, like, load, store
 from normkit.backends.cpu.moments import split_mean, two_pass
-from normkit.backends.cpu.stores import (fence, store_add, store_affine_per_element,
-                                         store_dx_rows_planes)
+from normkit.backends.cpu.stores import (affine_per_element, dx_rows_planes, fence, store_add,
+                                         store_affine_per_element, store_dx_rows_planes)
+from normkit.backends.cpu.tuning import SMALL_ROW
 
 # inline="always": each kernel, and each helper with a re-associable reduction
 # (``half.accumulate``), is inlined into its caller in numba's IR, so that every entry is
@@ -95,10 +96,23 @@ def _rows_forward(x, y, w, b, eps, center, stats, out, lo, hi, add, runs):
         mean[r] = mh
         rstd[r] = rs
         var[r] = v
-        store_affine_per_element(y[r], (xr, w, b), (mh, ml, rs), (ahead_row, xr[:0]),
-                                 stream)
+        _row_out(y[r], xr, w, b, (mh, ml, rs), ahead_row, stream)
     if stream:
         fence()
+
+
+@njit(inline="always")
+def _row_out(yr, xr, w, b, coefs, ahead_row, stream):
+    """y of one row, coefs = (mean_hi, mean_lo, rstd): a row shorter than
+    ``tuning.SMALL_ROW`` in a plain loop of its formula (``stores.affine_per_element``),
+    others through that formula's driver (prefetching ``ahead_row``, streamed where
+    ``stream``)."""
+    if xr.shape[0] < SMALL_ROW:
+        mh, ml, rs = coefs
+        for i in range(xr.shape[0]):
+            store(yr, i, affine_per_element(load(xr, i), w[i], b[i], mh, ml, rs))
+    else:
+        store_affine_per_element(yr, (xr, w, b), coefs, (ahead_row, xr[:0]), stream)
 
 
 @njit(**JIT)
@@ -159,10 +173,23 @@ def _row_backward(g, x, w, stats, center, dx, partials, out, r, r_end, plus, inv
     sv, sm = _grad_sums(gr, xr, w, (dwt, dbt), mu, rs, mean, runs)
     c_var = sv * inv_k
     c_mean = sm * inv_k if center else like(mean, 0.0)
-    store_dx_rows_planes(dx[r], (gr, xr, w), (mu, rs, c_var, c_mean), ahead_rows,
-                         stream and not on)                        # x, g from L1/L2
+    _row_dx(dx[r], gr, xr, w, (mu, rs, c_var, c_mean), ahead_rows,
+            stream and not on)                                     # x, g from L1/L2
     if on:                                                         # dx rounded, then + gh
         store_add(dx[r], (dx[r], gh[r]), (), (gr[:0], xr[:0]), stream)
+
+
+@njit(inline="always")
+def _row_dx(dr, gr, xr, w, coefs, ahead_rows, stream):
+    """dx of one row, coefs = (mean, rstd, c_var, c_mean), as ``_row_out`` writes y: a
+    plain loop of ``stores.dx_rows_planes`` for a row shorter than ``tuning.SMALL_ROW``,
+    else its driver."""
+    if xr.shape[0] < SMALL_ROW:
+        mu, rs, c_var, c_mean = coefs
+        for i in range(xr.shape[0]):
+            store(dr, i, dx_rows_planes(load(gr, i), load(xr, i), w[i], mu, rs, c_var, c_mean))
+    else:
+        store_dx_rows_planes(dr, (gr, xr, w), coefs, ahead_rows, stream)
 
 
 def _grad_sums(gr, xr, w, partials, mu, rs, sdt, runs):

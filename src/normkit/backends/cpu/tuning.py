@@ -90,6 +90,13 @@ AHEAD_BYTES = 8 << 10
 #: prefetches only cost (``moments.from_memory``)
 AHEAD_FROM_BYTES = STREAM_BYTES
 
+#: elements: rows (LayerNorm, RMSNorm) shorter than this are written by a plain loop of
+#: their formula, not through its store driver, whose fixed cost per row (a call with its
+#: arrays, the prefetch pieces, a streamed store's unaligned ends) outweighs a short row's
+#: arithmetic, in cache and from memory alike; longer rows read from memory gain from the
+#: driver's prefetching and streaming (docs/performance.md, "Short rows")
+SMALL_ROW = 128
+
 #: elements: the output of a row or plane is written in pieces of this many, each followed
 #: by the prefetch of the same piece ahead (spread out: a whole row at once gained nothing)
 PREFETCH_PIECE = 512
