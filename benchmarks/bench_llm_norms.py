@@ -11,21 +11,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
 
 import normkit
+from normkit.bench.models import per_call_us
 
 
-def _us(fn, rounds=40, calls=10):
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.thread_time()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.thread_time() - start) / calls * 1e6)
-    return best
+def _us(fn):
+    return per_call_us(fn, 10, 40)                     # thread_time, best of 40 rounds
 
 
 def main(argv=None) -> None:

@@ -15,18 +15,11 @@ import time
 import torch
 
 import normkit.nn as nknn
+from normkit.bench.models import per_call_us
 
 
 def _ms(fn, calls):
-    for _ in range(2):
-        fn()
-    best = float("inf")
-    for _ in range(7):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e3)
-    return best
+    return per_call_us(fn, calls, 7, clock=time.perf_counter) / 1e3     # best of 7 rounds
 
 
 def main(argv=None) -> None:
