@@ -14,7 +14,8 @@ dweight/dbias (summed by the caller), so no two iterations write the same memory
     dweight = sum(g * xhat),  dbias = sum(g)
 
 While writing row r's output, the float32/float64 kernels prefetch row r + ahead
-(``tuning.rows_ahead``), spread over the output pass (``stores``).
+(``tuning.rows_ahead``), spread over the output pass (``stores``); rows shorter than
+``tuning.SMALL_ROW`` are written by a plain loop of the same formula instead.
 
 The residual-add norms (``add_layer_norm``, ``add_rms_norm``) normalize ``h = x + r``
 in the same pass: the row of h is written (rounded to the storage dtype, as ``x + r``
