@@ -50,7 +50,7 @@ def _refuse_dtype(op, name, p):
                        f"e.g. {name}.float()")
 
 
-def _check_vectors(op, input, weight, bias):
+def _check_vectors(input, weight, bias):
     """group_norm's and instance_norm's per-channel weight and bias are vectors (torch's
     refuses others; a (2, 2) weight would pass for four channels' by its element count)."""
     for name, p in (("weight", weight), ("bias", bias)):

@@ -214,7 +214,7 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
                          f"got {input.dim()}D input of size {_size(input.shape)}")
     c = _check_channels("instance_norm", input, running_mean=running_mean,
                         running_var=running_var, weight=weight, bias=bias)
-    _check_vectors("instance_norm", input, weight, bias)
+    _check_vectors(input, weight, bias)
     _check_flag("instance_norm", "use_input_stats", use_input_stats)
     _check_running("instance_norm", running_mean, running_var)
     momentum = _momentum("instance_norm", momentum)
@@ -265,7 +265,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             f"input of shape {_size(input.shape)} and num_groups={num_groups}; choose "
             f"num_groups among the divisors of {c}")
     _check_channels("group_norm", input, weight=weight, bias=bias)
-    _check_vectors("group_norm", input, weight, bias)
+    _check_vectors(input, weight, bias)
     if _one_value_per_group(input, num_groups):
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size "
@@ -281,11 +281,10 @@ def _one_value_per_group(input, num_groups) -> bool:
     return input.shape[0] * (input.shape[1] // num_groups) * math.prod(input.shape[2:]) == 1
 
 
-def _check_normalized_shape(input, normalized_shape, weight, bias, op):
+def _check_normalized_shape(input, normalized_shape, weight, bias, op, any_weight=False):
     """A floating input (``_check_floating``) whose trailing dims are ``normalized_shape``,
-    the shape of the given weight and bias (floating point for the LayerNorms, as torch's;
-    torch's composite RMSNorm promotes an integer weight); returns it as a tuple."""
-    floating = "rms" not in op
+    the shape of the given weight and bias, floating point (but with ``any_weight``, the
+    RMSNorms': torch's composite promotes an integer weight); returns it as a tuple."""
     _check_floating(input, op)
     try:
         shape = tuple(normalized_shape)
@@ -296,7 +295,7 @@ def _check_normalized_shape(input, normalized_shape, weight, bias, op):
     k = len(shape)
     if (k and input.shape[input.dim() - k:] == shape
             and (weight is None or (weight.shape == shape
-                                    and (weight.is_floating_point() or not floating)))
+                                    and (weight.is_floating_point() or any_weight)))
             and (bias is None or (bias.shape == shape and bias.is_floating_point()))):
         return shape                               # the usual case, without a conversion
     shape = tuple(_size(normalized_shape))
@@ -312,7 +311,7 @@ def _check_normalized_shape(input, normalized_shape, weight, bias, op):
             raise RuntimeError(f"Expected {name} to be of same shape as normalized_shape, but "
                                f"got {name} of shape {_size(p.shape)} and normalized_shape = "
                                f"{list(shape)}")
-        if p is not None and floating and not p.is_floating_point():
+        if p is not None and not p.is_floating_point() and not (any_weight and p is weight):
             _refuse_dtype(op, name, p)
     return shape
 
@@ -377,7 +376,8 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, offset=0.0, cast
         return _on_values(input, len(normalized_shape), "rms_norm",
                           lambda v: rms_norm(v, normalized_shape, weight, eps, offset=offset,
                                              casting=casting))
-    shape = _check_normalized_shape(input, normalized_shape, weight, None, "rms_norm")
+    shape = _check_normalized_shape(input, normalized_shape, weight, None, "rms_norm",
+                                    any_weight=True)
     if eps is None:
         eps = rms_eps(input.dtype)
     check_casting(casting, offset, weight)
@@ -557,7 +557,8 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, *, memory
         >>> y, h = add_rms_norm(x, r, [8], torch.ones(8))
     """
     _check_residual(x, residual, "add_rms_norm")
-    shape = _check_normalized_shape(x, normalized_shape, weight, None, "add_rms_norm")
+    shape = _check_normalized_shape(x, normalized_shape, weight, None, "add_rms_norm",
+                                    any_weight=True)
     if eps is None:
         eps = rms_eps(x.dtype)
     check_casting(casting, offset, weight)
